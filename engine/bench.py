@@ -1,0 +1,172 @@
+"""`pdserve bench engine`: pdserve's engine against Hugging Face generate(), in one run.
+
+Both run the same model directory with the same thread count, one after the other in rounds
+(ours, HF, ours, HF, ...), and the medians are reported, so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.offline import generate
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """Bytes per second of a large tensor copy (size / time: each byte is read once, written once)."""
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def weight_bytes_per_step(runner: ModelRunner) -> int:
+    """Bytes of weights a decode step reads: every parameter except the embedding table, which a
+    step only gathers rows from (when it is tied to the output head, the head reads it whole)."""
+    seen, total = set(), 0
+    m = runner.model
+    for name, t in vars(m).items():
+        if isinstance(t, torch.Tensor) and name not in ("embed", "wte", "wpe", "cos", "sin") and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    for layer in m.layers:
+        for slot in layer.__slots__:
+            t = getattr(layer, slot)
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (n,), generator=g).tolist()
+
+
+def measure(model: str = "default", threads: int = 2, rounds: int = 3, decode_prompt: int = 128,
+        new_tokens: int = 64, prefill_lens: tuple[int, ...] = (128, 512)) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    runner = ModelRunner(EngineConfig(model=model, threads=threads, show_progress=False))
+    hf = AutoModelForCausalLM.from_pretrained(str(runner.model_dir), dtype=torch.float32).eval()
+    vocab = runner.vocab_size
+    prompt = _prompt(decode_prompt, vocab)
+    greedy = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    ids = torch.tensor([prompt])
+
+    def ours_gen(params):
+        t = time.perf_counter()
+        out = generate(runner, [prompt], params)
+        return time.perf_counter() - t, out[0].output_token_ids
+
+    def hf_gen(n):
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t, out[0, len(prompt):].tolist()
+
+    ours_gen(one), hf_gen(1)  # warm up both
+    ours_dec, hf_dec = [], []
+    same = True
+    for _ in range(rounds):
+        t1, _ = ours_gen(one)
+        tn, toks = ours_gen(greedy)
+        ours_dec.append((new_tokens - 1) / (tn - t1))
+        h1, _ = hf_gen(1)
+        hn, htoks = hf_gen(new_tokens)
+        hf_dec.append((new_tokens - 1) / (hn - h1))
+        same &= toks == htoks
+
+    prefill = {}
+    for n in prefill_lens:
+        p = _prompt(n, vocab, seed=n)
+        pt = torch.tensor([p])
+        o, h = [], []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            generate(runner, [p], one)
+            o.append(n / (time.perf_counter() - t))
+            t = time.perf_counter()
+            with torch.inference_mode():
+                hf(pt, use_cache=True)
+            h.append(n / (time.perf_counter() - t))
+        prefill[n] = (statistics.median(o), statistics.median(h))
+
+    bw = copy_bandwidth()
+    wbytes = weight_bytes_per_step(runner)
+    bound = bw / wbytes
+    ours_d, hf_d = statistics.median(ours_dec), statistics.median(hf_dec)
+    result = {
+        "model": str(runner.model_dir.name),
+        "threads": threads,
+        "rounds": rounds,
+        "decode": {
+            "prompt_tokens": decode_prompt,
+            "new_tokens": new_tokens,
+            "pdserve_tokens_per_s": round(ours_d, 2),
+            "hf_tokens_per_s": round(hf_d, 2),
+            "ratio": round(ours_d / hf_d, 3),
+            "greedy_tokens_identical": same,
+        },
+        "bandwidth_bound": {
+            "copy_bandwidth_gb_per_s": round(bw / 1e9, 2),
+            "weight_bytes_per_step": wbytes,
+            "bound_tokens_per_s": round(bound, 2),
+            "pdserve_fraction_of_bound": round(ours_d / bound, 3),
+        },
+        "prefill": {
+            str(n): {
+                "pdserve_tokens_per_s": round(o, 1),
+                "hf_tokens_per_s": round(h, 1),
+                "ratio": round(o / h, 3),
+            }
+            for n, (o, h) in prefill.items()
+        },
+    }
+    return result
+
+
+def format_table(r: dict) -> str:
+    d, b = r["decode"], r["bandwidth_bound"]
+    lines = [
+        f"model {r['model']}, {r['threads']} threads, median of {r['rounds']} rounds",
+        f"{'measure':<34}{'pdserve':>12}{'HF':>12}{'ratio':>9}",
+        f"{'decode tok/s (prompt %d, %d new)' % (d['prompt_tokens'], d['new_tokens']):<34}"
+        f"{d['pdserve_tokens_per_s']:>12.2f}{d['hf_tokens_per_s']:>12.2f}{d['ratio']:>9.3f}",
+    ]
+    for n, p in r["prefill"].items():
+        lines.append(f"{'prefill tok/s (%s tokens)' % n:<34}{p['pdserve_tokens_per_s']:>12.1f}"
+                     f"{p['hf_tokens_per_s']:>12.1f}{p['ratio']:>9.3f}")
+    lines.append(
+        f"bandwidth bound: {b['weight_bytes_per_step'] / 1e6:.0f} MB of weights per step / "
+        f"{b['copy_bandwidth_gb_per_s']:.2f} GB/s copy = {b['bound_tokens_per_s']:.2f} tok/s; "
+        f"pdserve decode at {100 * b['pdserve_fraction_of_bound']:.1f}% of it"
+    )
+    lines.append(f"greedy tokens identical to HF: {d['greedy_tokens_identical']}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="default", help="model to measure (default: the embedded default)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for both engines (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="measurement rounds; medians are reported (default 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args) -> int:
+    r = measure(model=args.model, threads=args.threads, rounds=args.rounds)
+    print(json.dumps(r, indent=2) if args.json else format_table(r))
+    return 0

@@ -1,0 +1,458 @@
+"""`pdserve bench transfer`: KV transfer throughput and the TTFT cost of disaggregation, in one run.
+
+Two measurements, on this machine, between Ray actors (so between processes, as in serving):
+
+1. KV push throughput. A sender actor pushes whole requests' KV, ``open`` / ``send`` (layers
+   grouped into pieces of about ``frame_bytes``, as the prefill worker does) / ``finish``, to a
+   receiver actor whose sink lands every piece in the reserved blocks of a real ``KVCache`` of the
+   model's KV geometry (by default SmolLM2-135M: 30 layers x 3 KV heads x 64, blocks of 16 tokens,
+   float32), for a 512- and a 2048-token prompt, ``--rounds`` times each; reported: the median
+   MB/s (1 MB = 10^6 bytes) of each transport in ``TRANSPORTS``, against a plain TCP socket copy
+   (``sendall`` / ``recv_into``) of the same bytes between the same two actors, and their ratio.
+2. Time to first token under light load, one request at a time, the same prompts both ways:
+   colocated (``add_request`` on a colocated worker, until its first delta arrives through
+   ``next_outputs``) and disaggregated (``reserve_kv`` on a decode actor, then ``prefill`` on a
+   prefill actor, which returns token #1). Both use the same chunk budget (512 tokens per step).
+   Reported: medians over ``--rounds`` prompts per length, the overhead in percent, and the decode
+   side's ``kv_stream_s`` (from the stream's opening to its last frame: it spans the prefill
+   itself, since KV is pushed as layers are computed). The runs alternate (colocated,
+   disaggregated, colocated, ...) so that machine noise hits both alike.
+
+The measurements run on a fresh local Ray started here (never an existing cluster), with every
+actor on this machine: they measure the transports and the actors' overhead, not a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import struct
+import threading
+import time
+
+import torch
+
+# The transports measured, in order: name -> (module, receiver class). The sender side is
+# ``prefill_worker.worker.make_sender(name)``. A new transport adds one line here.
+TRANSPORTS: dict[str, tuple[str, str]] = {
+    "grpc": ("pdserve.kv_transfer.grpc_transport", "GrpcKVReceiver"),
+    "collective": ("pdserve.kv_transfer.collective_transport", "CollectiveKVReceiver"),
+}
+
+FULL = dict(prompt_tokens=(512, 2048), rounds=5)
+QUICK = dict(prompt_tokens=(32, 64), rounds=2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (__doc__ or "").split("\n\n")[0]
+    p.add_argument("--model", default="default", metavar="PATH",
+                   help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each engine actor (default 2)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="pushes per prompt size, and TTFT prompts per length (default 5; 2 with --quick)")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=None, metavar="N",
+                   help="prompt lengths (default 512 2048; 32 64 with --quick)")
+    p.add_argument("--transports", default=",".join(TRANSPORTS), metavar="NAMES",
+                   help=f"comma-separated transports to measure (default {','.join(TRANSPORTS)})")
+    p.add_argument("--frame-bytes", type=int, default=2 << 20, metavar="BYTES",
+                   help="pieces group layers up to about this size, as the prefill worker does (default 2 MiB)")
+    p.add_argument("--no-ttft", action="store_true", help="measure the transfer only")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes: a smoke test of the benchmark itself, not a measurement")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.transports.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRANSPORTS]
+    if unknown:
+        print(f"pdserve: error: unknown transport(s) {', '.join(unknown)}; choose from {', '.join(TRANSPORTS)}")
+        return 2
+    result = run_bench(model=args.model, threads=args.threads, rounds=args.rounds, prompt_tokens=args.prompt_tokens,
+                       transports=names, frame_bytes=args.frame_bytes, ttft=not args.no_ttft, quick=args.quick)
+    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    return 0
+
+
+# ---- KV geometry ---------------------------------------------------------------------------------
+
+
+def kv_geometry(hf_config, block_size: int = 16, dtype: torch.dtype = torch.float32) -> dict:
+    """Layers, KV heads and head size of a Hugging Face config (Llama family or GPT-2)."""
+    c = hf_config
+    layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    return {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size,
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+def bytes_per_token(geo: dict) -> int:
+    return 2 * geo["num_layers"] * geo["num_kv_heads"] * geo["head_dim"] * torch.finfo(getattr(torch, geo["dtype"])).bits // 8
+
+
+# ---- the two transfer actors ---------------------------------------------------------------------
+
+
+class BenchSink:
+    """A ``KVSink`` over a real ``KVCache``: writes land in reserved blocks, completion checks that
+    every (layer, block) arrived, and then frees the blocks for the next round."""
+
+    def __init__(self, geo: dict, num_blocks: int) -> None:
+        from pdserve.engine.block_allocator import BlockAllocator
+        from pdserve.engine.kv_cache import KVCache
+
+        self.kv = KVCache(geo["num_layers"], num_blocks, geo["block_size"], geo["num_kv_heads"], geo["head_dim"],
+                          getattr(torch, geo["dtype"]))
+        self.allocator = BlockAllocator(num_blocks)
+        self.reserved: dict[str, list[int]] = {}
+        self.pieces: dict[str, int] = {}
+        self.done: dict[str, str | None] = {}  # request id -> None (complete) or the error
+        self.lock = threading.Lock()
+
+    def reserve(self, request_id: str, num_blocks: int) -> list[int]:
+        with self.lock:
+            ids = self.allocator.allocate(num_blocks)
+            self.reserved[request_id] = ids
+            self.pieces[request_id] = 0
+            return ids
+
+    def write_kv(self, request_id: str, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
+        owned = self.reserved[request_id]  # KeyError: unknown request
+        if not set(block_ids) <= set(owned):
+            raise ValueError(f"blocks not reserved for {request_id}")
+        self.kv.import_blocks(block_ids, layers, data)
+        with self.lock:
+            self.pieces[request_id] += len(layers) * len(block_ids)
+
+    def _end(self, request_id: str, error: str | None) -> None:
+        with self.lock:
+            ids = self.reserved.pop(request_id, None)
+            if ids is not None:
+                self.allocator.free(ids)
+            self.done[request_id] = error
+
+    def complete_kv(self, request_id: str, first_token: int, first_logprob, transfer_s: float) -> None:
+        want = self.kv.num_layers * len(self.reserved[request_id])
+        if self.pieces[request_id] != want:
+            raise ValueError(f"incomplete KV for {request_id}: {self.pieces[request_id]} of {want}")
+        self._end(request_id, None)
+
+    def fail_kv(self, request_id: str, error: str) -> None:
+        self._end(request_id, error)
+
+
+class TransferReceiver:
+    """Receiver actor: one receiver per transport into one ``BenchSink``, and a raw TCP server that
+    reads length-prefixed messages into a preallocated buffer and acknowledges each with one byte."""
+
+    def __init__(self, geo: dict, num_blocks: int, transports: list[str], max_bytes: int) -> None:
+        import importlib
+
+        torch.set_num_threads(1)
+        self.sink = BenchSink(geo, num_blocks)
+        host = "127.0.0.1"
+        self.receivers = {}
+        for name in transports:
+            module, cls = TRANSPORTS[name]
+            self.receivers[name] = getattr(importlib.import_module(module), cls)(self.sink, host=host)
+        self._buf = bytearray(max_bytes)
+        self._server = socket.create_server((host, 0))
+        threading.Thread(target=self._serve_tcp, daemon=True).start()
+
+    def addresses(self) -> dict:
+        return {"tcp": "%s:%d" % self._server.getsockname()[:2],
+                **{name: r.address for name, r in self.receivers.items()}}
+
+    def reserve(self, request_id: str, num_blocks: int) -> list[int]:
+        return self.sink.reserve(request_id, num_blocks)
+
+    def outcome(self, request_id: str):
+        """``(finished, error)`` of a request's transfer."""
+        with self.sink.lock:
+            return request_id in self.sink.done, self.sink.done.get(request_id)
+
+    def _serve_tcp(self) -> None:
+        while True:
+            conn, _ = self._server.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._read_tcp, args=(conn,), daemon=True).start()
+
+    def _read_tcp(self, conn: socket.socket) -> None:
+        view = memoryview(self._buf)
+        with conn:
+            while True:
+                head = conn.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    return
+                (n,) = struct.unpack("!Q", head)
+                got = 0
+                while got < n:
+                    k = conn.recv_into(view[got:n])
+                    if k == 0:
+                        return
+                    got += k
+                conn.sendall(b"k")
+
+
+class TransferSender:
+    """Sender actor: pushes whole requests' KV over a transport, or the same bytes over TCP."""
+
+    def __init__(self, geo: dict) -> None:
+        torch.set_num_threads(1)
+        self.geo = geo
+        self.senders: dict = {}
+
+    def _data(self, num_blocks: int) -> torch.Tensor:
+        g = self.geo
+        shape = (2, g["num_layers"], num_blocks, g["block_size"], g["num_kv_heads"], g["head_dim"])
+        return torch.randn(shape, generator=torch.Generator().manual_seed(num_blocks)).to(getattr(torch, g["dtype"]))
+
+    def push(self, transport: str, address: str, receiver, num_blocks: int, rounds: int, frame_bytes: int) -> dict:
+        """Time ``rounds`` whole-request pushes (after one untimed warm-up); every one must succeed."""
+        import ray
+
+        from pdserve.prefill_worker.worker import make_sender
+
+        if transport not in self.senders:
+            self.senders[transport] = make_sender(transport)
+        sender = self.senders[transport]
+        data = self._data(num_blocks)
+        num_layers = data.shape[1]
+        per_layer = data[:, :1].numel() * data.element_size()
+        group = max(1, min(num_layers, frame_bytes // per_layer))
+        pieces = [range(lo, min(num_layers, lo + group)) for lo in range(0, num_layers, group)]
+        seconds = []
+        for r in range(rounds + 1):
+            rid = f"bench-{transport}-{num_blocks}-{r}-{time.monotonic_ns()}"
+            blocks = ray.get(receiver.reserve.remote(rid, num_blocks))
+            start = time.perf_counter()
+            t = sender.open(rid, address, num_layers, num_blocks, timeout_s=120)
+            for layers in pieces:
+                t.send(layers, blocks, data[:, layers.start:layers.stop])
+            nbytes = t.finish(0)
+            elapsed = time.perf_counter() - start
+            done, error = ray.get(receiver.outcome.remote(rid))
+            if not done or error:
+                raise RuntimeError(f"transfer {rid} was not verified by the receiver: {error}")
+            if r:  # the first push warms up connections and process groups
+                seconds.append(elapsed)
+        return {"bytes": nbytes, "pieces": len(pieces), "seconds": seconds}
+
+    def tcp(self, address: str, num_blocks: int, rounds: int) -> dict:
+        """Time ``rounds`` copies of the same bytes over one TCP connection (after one warm-up)."""
+        data = self._data(num_blocks)
+        raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
+        host, port = address.rsplit(":", 1)
+        seconds = []
+        with socket.create_connection((host, int(port))) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for r in range(rounds + 1):
+                start = time.perf_counter()
+                s.sendall(struct.pack("!Q", len(raw)))
+                s.sendall(raw)
+                if s.recv(1) != b"k":
+                    raise RuntimeError("the TCP receiver went away")
+                if r:
+                    seconds.append(time.perf_counter() - start)
+        return {"bytes": len(raw), "seconds": seconds}
+
+    def close(self) -> None:
+        for s in self.senders.values():
+            s.close()
+
+
+def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[str], rounds: int,
+                     frame_bytes: int) -> list[dict]:
+    bs = geo["block_size"]
+    max_blocks = max(-(-n // bs) for n in prompt_tokens)
+    max_bytes = max_blocks * bs * bytes_per_token(geo)
+    receiver = ray.remote(TransferReceiver).options(num_cpus=0, max_concurrency=8).remote(
+        geo, 2 * max_blocks + 4, transports, max_bytes)
+    sender = ray.remote(TransferSender).options(num_cpus=0).remote(geo)
+    rows = []
+    try:
+        addresses = ray.get(receiver.addresses.remote())
+        for n in prompt_tokens:
+            nb = -(-n // bs)
+            tcp = ray.get(sender.tcp.remote(addresses["tcp"], nb, rounds))
+            tcp_rate = tcp["bytes"] / statistics.median(tcp["seconds"]) / 1e6
+            for name in transports:
+                r = ray.get(sender.push.remote(name, addresses[name], receiver, nb, rounds, frame_bytes))
+                assert r["bytes"] == tcp["bytes"]
+                rate = r["bytes"] / statistics.median(r["seconds"]) / 1e6
+                rows.append({"transport": name, "prompt_tokens": n, "bytes": r["bytes"], "pieces": r["pieces"],
+                             "median_s": round(statistics.median(r["seconds"]), 6), "mb_per_s": round(rate, 1),
+                             "raw_tcp_mb_per_s": round(tcp_rate, 1), "ratio_to_raw_tcp": round(rate / tcp_rate, 3)})
+        ray.get(sender.close.remote())
+    finally:
+        ray.kill(sender)
+        ray.kill(receiver)
+    return rows
+
+
+# ---- time to first token -------------------------------------------------------------------------
+
+
+def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[int], rounds: int,
+                 vocab_size: int) -> list[dict]:
+    from pdserve.decode_worker.messages import WorkerRequest
+    from pdserve.decode_worker.worker import WorkerConfig, start_workers
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.prefill_worker.worker import KVDestination, PrefillConfig, start_prefill_workers
+
+    bs = geo["block_size"]
+    num_blocks = 2 * -(-max(prompt_tokens) // bs) + 8
+
+    def engine() -> EngineConfig:
+        return EngineConfig(model=model, threads=threads, block_size=bs, num_blocks=num_blocks, show_progress=False)
+
+    tag = f"pdserve-bench-transfer-{os.getpid()}"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # loading the model is most of a start
+        starts = [
+            pool.submit(start_workers, WorkerConfig(engine=engine()), 1, num_cpus=0, name_prefix=f"{tag}-colocated"),
+            pool.submit(start_workers, WorkerConfig(engine=engine()), 1, num_cpus=0, role="decode",
+                        name_prefix=f"{tag}-decode"),
+            pool.submit(start_prefill_workers, PrefillConfig(engine=engine()), 1, num_cpus=0,
+                        name_prefix=f"{tag}-prefill"),
+        ]
+        (colocated,), (decode,), (prefill,) = [f.result() for f in starts]
+    address = ray.get(decode.kv_address.remote())
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def final_of(actor, rid: str):
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            for d in ray.get(actor.next_outputs.remote(1.0)):
+                if d.request_id == rid and d.finish_reason is not None:
+                    if d.error:
+                        raise RuntimeError(f"request {rid} failed: {d.error}")
+                    return d
+        raise RuntimeError(f"request {rid} did not finish")
+
+    def ttft_colocated(rid: str, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        ray.get(colocated.add_request.remote(WorkerRequest(rid, prompt, params, time.time())))
+        final_of(colocated, rid)  # max_tokens=1: the first delta is the final one
+        return time.perf_counter() - start
+
+    def ttft_disaggregated(rid: str, prompt: list[int]) -> tuple[float, float]:
+        """Seconds to token #1, and the decode side's KV stream seconds."""
+        req = WorkerRequest(rid, prompt, params, time.time())
+        start = time.perf_counter()
+        blocks = ray.get(decode.reserve_kv.remote(req))
+        ray.get(prefill.prefill.remote(req, KVDestination(address, blocks)))
+        elapsed = time.perf_counter() - start
+        final = final_of(decode, rid)  # the KV arrived and the decode side finished (out of the timing)
+        return elapsed, final.timings.get("transfer", 0.0)
+
+    rows = []
+    try:
+        g = torch.Generator().manual_seed(0)
+        low = min(100, vocab_size // 4)
+        warm = torch.randint(low, vocab_size, (min(prompt_tokens),), generator=g).tolist()
+        ttft_colocated("warmup-c", warm)
+        ttft_disaggregated("warmup-d", warm)
+        for n in prompt_tokens:
+            coloc, disagg, stream = [], [], []
+            for r in range(rounds):
+                prompt = torch.randint(low, vocab_size, (n,), generator=g).tolist()
+                coloc.append(ttft_colocated(f"c-{n}-{r}", prompt))
+                t, x = ttft_disaggregated(f"d-{n}-{r}", prompt)
+                disagg.append(t)
+                stream.append(x)
+            c, d = statistics.median(coloc), statistics.median(disagg)
+            rows.append({"prompt_tokens": n, "prompts": rounds, "colocated_s": round(c, 6),
+                         "disaggregated_s": round(d, 6), "overhead_pct": round(100 * (d - c) / c, 1),
+                         "kv_stream_s": round(statistics.median(stream), 6)})
+    finally:
+        for a in (colocated, decode, prefill):
+            ray.kill(a)
+    return rows
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+
+
+def run_bench(model: str = "default", threads: int = 2, rounds: int | None = None,
+              prompt_tokens: list[int] | None = None, transports: list[str] | None = None,
+              frame_bytes: int = 2 << 20, ttft: bool = True, quick: bool = False) -> dict:
+    import ray
+
+    from pdserve.engine.model_loader import load_config, resolve_model_dir
+
+    shape = QUICK if quick else FULL
+    rounds = rounds or shape["rounds"]
+    prompt_tokens = list(prompt_tokens or shape["prompt_tokens"])
+    transports = list(transports or TRANSPORTS)
+    model_dir = resolve_model_dir(model)
+    cfg = load_config(model_dir)
+    geo = kv_geometry(cfg)
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if limit and max(prompt_tokens) + 1 > limit:
+        raise SystemExit(f"pdserve: error: a {max(prompt_tokens)}-token prompt does not fit the model's {limit} positions")
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    try:
+        transfer_rows = measure_transfer(ray, geo, prompt_tokens, transports, rounds, frame_bytes)
+        ttft_rows = measure_ttft(ray, str(model_dir), threads, geo, prompt_tokens, rounds, cfg.vocab_size) if ttft else []
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return {
+        "bench": "transfer",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "model": model_dir.name,
+        "threads": threads,
+        "rounds": rounds,
+        "quick": quick,
+        "kv_geometry": {**geo, "bytes_per_token": bytes_per_token(geo)},
+        "frame_bytes": frame_bytes,
+        "transfer": transfer_rows,
+        "ttft": ttft_rows,
+    }
+
+
+def format_table(r: dict) -> str:
+    g = r["kv_geometry"]
+    lines = [
+        f"pdserve bench transfer: model {r['model']} ({g['num_layers']} layers x {g['num_kv_heads']} KV heads x "
+        f"{g['head_dim']}, {g['dtype']}, {g['bytes_per_token']} KV bytes per token), median of {r['rounds']} rounds",
+        f"{r['date']}, {r['machine']}",
+        "",
+        f"{'KV push between two actors':<30}{'prompt':>8}{'MB':>9}{'pieces':>8}{'MB/s':>10}{'raw TCP MB/s':>14}{'ratio':>8}",
+    ]
+    for row in r["transfer"]:
+        lines.append(f"{row['transport']:<30}{row['prompt_tokens']:>8}{row['bytes'] / 1e6:>9.1f}{row['pieces']:>8}"
+                     f"{row['mb_per_s']:>10.1f}{row['raw_tcp_mb_per_s']:>14.1f}{row['ratio_to_raw_tcp']:>8.3f}")
+    if r["ttft"]:
+        lines += ["", f"{'TTFT, one request at a time':<30}{'prompt':>8}{'colocated s':>13}{'disagg. s':>11}"
+                      f"{'overhead':>10}{'KV stream s':>13}"]
+        for row in r["ttft"]:
+            lines.append(f"{'median of %d prompts' % row['prompts']:<30}{row['prompt_tokens']:>8}"
+                         f"{row['colocated_s']:>13.4f}{row['disaggregated_s']:>11.4f}"
+                         f"{row['overhead_pct']:>9.1f}%{row['kv_stream_s']:>13.4f}")
+    return "\n".join(lines)

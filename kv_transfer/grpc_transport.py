@@ -1,0 +1,221 @@
+"""KV transport over gRPC: one client stream of frames per request.
+
+The decode actor runs a ``GrpcKVReceiver`` (a gRPC server on its own port); prefill actors open a
+``Push`` stream to it per request, send frames of about 1-4 MB as layers are computed, and get one
+acknowledgement at the end. Message size limits are explicit on both sides (a piece larger than
+``MAX_FRAME_BYTES`` is split into several frames along its blocks, then its layers), every stream
+has a deadline, and every frame's CRC32 is checked before its bytes touch the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import torch
+
+from pdserve.internal import kv_transfer_pb2 as pb
+from pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
+from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
+from pdserve.kv_transfer.wire import FrameHeader, decode_piece, encode_piece
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_FRAME_BYTES = 4 << 20  # larger pieces are split: well under the message limit, and streamed
+REQUEST_ID_KEY = "pdserve-request-id"  # call metadata: which request a Push stream carries
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class _Servicer(pb_grpc.KvTransferServicer):
+    """Lands frames into a sink. ``fetch(header, data_bytes)`` returns a piece's verified tensor
+    (from the frame itself by default; the collective transport receives it from a process group),
+    ``on_join(header)`` answers control frames that set up a process group."""
+
+    def __init__(self, sink: KVSink, fetch=None, on_join=None) -> None:
+        self.sink = sink
+        self.fetch = fetch or decode_piece
+        self.on_join = on_join
+
+    def Push(self, request_iterator, context):
+        # The request id travels in the call's metadata too, so that a stream cancelled before its
+        # first frame (a prefill actor that died early) still releases the request's blocks at once.
+        rid = dict(context.invocation_metadata()).get(REQUEST_ID_KEY)
+        frames = 0
+        nbytes = 0
+        start = time.time()
+        try:
+            for frame in request_iterator:
+                h = FrameHeader.unpack(frame.header)
+                if h.join:
+                    if self.on_join is None:
+                        raise ValueError("this receiver does not take process-group frames")
+                    self.on_join(h)
+                    return pb.PushAck(ok=True)
+                if rid is None:
+                    rid = h.rid
+                elif h.rid != rid:
+                    raise ValueError(f"frame for {h.rid!r} in the stream of {rid!r}")
+                if h.last:
+                    if h.frames != frames:
+                        raise ValueError(f"{h.frames} frames sent, {frames} received")
+                    self.sink.complete_kv(rid, h.token, h.logprob, time.time() - start)
+                    return pb.PushAck(ok=True, bytes_received=nbytes)
+                if h.i != frames:
+                    raise ValueError(f"frame {h.i} arrived where frame {frames} was expected")
+                data = self.fetch(h, frame.data)
+                self.sink.write_kv(rid, range(*h.layers), list(h.blocks), data)
+                frames += 1
+                nbytes += h.n
+            raise ValueError("the stream ended before its last frame (sender gone or cancelled)")
+        except Exception as exc:  # any failure releases the blocks and is reported, never raised
+            if isinstance(exc, grpc.RpcError) and not str(exc):
+                exc = "the sender cancelled the stream or went away"
+            error = f"KV transfer failed: {exc}"
+            if rid is not None:
+                try:
+                    self.sink.fail_kv(rid, error)
+                except Exception:
+                    logger.exception("releasing %s after a failed transfer", rid)
+            logger.warning("%s (request %s)", error, rid)
+            return pb.PushAck(ok=False, error=error, bytes_received=nbytes)
+
+
+class GrpcKVReceiver(KVReceiver):
+    """A gRPC server that lands KV frames into a ``KVSink``."""
+
+    def __init__(self, sink: KVSink, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 max_workers: int = 16, fetch=None, on_join=None) -> None:
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_CHANNEL_OPTIONS)
+        pb_grpc.add_KvTransferServicer_to_server(_Servicer(sink, fetch, on_join), self._server)
+        self._port = self._server.add_insecure_port(f"{host}:{port}")
+        if self._port == 0:
+            raise RuntimeError(f"KV receiver could not bind {host}:{port}")
+        self._server.start()
+        self._host = advertise_host or host
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    def stop(self) -> None:
+        self._server.stop(grace=1.0)
+
+
+_END = object()
+
+
+def split_piece(layers: range, block_ids: list[int], data: torch.Tensor, limit: int):
+    """Yield ``(layers, block_ids, data)`` sub-pieces of at most ``limit`` bytes where possible (one
+    block of one layer is the smallest): whole layers grouped first, then blocks within a layer."""
+    nbytes = data.numel() * data.element_size()
+    num_layers, num_blocks = len(layers), len(block_ids)
+    if nbytes <= limit or num_layers == 0 or num_blocks == 0:
+        yield layers, block_ids, data
+        return
+    per_layer = nbytes // num_layers
+    layer_step = max(1, limit // per_layer)
+    block_step = num_blocks if layer_step > 1 else max(1, limit // (per_layer // num_blocks))
+    for lo in range(0, num_layers, layer_step):
+        hi = min(num_layers, lo + layer_step)
+        for b in range(0, num_blocks, block_step):
+            yield (range(layers.start + lo, layers.start + hi), block_ids[b:b + block_step],
+                   data[:, lo:hi, b:b + block_step])
+
+
+class GrpcTransfer(Transfer):
+    def __init__(self, stub: pb_grpc.KvTransferStub, request_id: str, timeout_s: float) -> None:
+        self.request_id = request_id
+        self.state = TransferState.OPEN
+        self._q: queue.Queue = queue.Queue()
+        self._frames = 0
+        self._bytes = 0
+        # Frames are encoded (bytes + CRC) in gRPC's sending thread, off the compute thread.
+        self._future = stub.Push.future(self._iter(), timeout=timeout_s, metadata=((REQUEST_ID_KEY, request_id),))
+
+    def _iter(self):
+        while True:
+            item = self._q.get()
+            if item is _END:
+                return
+            yield item()
+
+    def send(self, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
+        if self.state in (TransferState.DONE, TransferState.FAILED):
+            raise TransferError(f"transfer of {self.request_id} is {self.state.value}")
+        self.state = TransferState.SENDING
+        self._bytes += data.numel() * data.element_size()
+        for sub_layers, sub_blocks, sub_data in split_piece(layers, list(block_ids), data, MAX_FRAME_BYTES):
+            i = self._frames
+            self._frames += 1
+            self._q.put(lambda i=i, l=sub_layers, b=sub_blocks, d=sub_data: self._frame(i, l, b, d))
+
+    def _frame(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> pb.KvFrame:
+        """Build frame ``i`` (runs in gRPC's sending thread)."""
+        header, raw = encode_piece(self.request_id, i, layers, block_ids, data)
+        return pb.KvFrame(header=header.pack(), data=raw)
+
+    def finish(self, first_token: int, first_logprob: float | None = None) -> int:
+        last = FrameHeader(self.request_id, self._frames, last=True, frames=self._frames,
+                           token=first_token, logprob=first_logprob)
+        self._q.put(lambda: pb.KvFrame(header=last.pack()))
+        self._q.put(_END)
+        try:
+            ack = self._future.result()
+        except grpc.RpcError as exc:
+            self.state = TransferState.FAILED
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TransferError(f"KV transfer of {self.request_id} timed out") from None
+            raise TransferError(f"KV transfer of {self.request_id} failed: {code.name}: {exc.details()}") from None
+        except (futures.CancelledError, grpc.FutureCancelledError):  # abort() cancelled the stream
+            self.state = TransferState.FAILED
+            raise TransferError(f"KV transfer of {self.request_id} was aborted") from None
+        if not ack.ok:
+            self.state = TransferState.FAILED
+            raise TransferError(ack.error)
+        self.state = TransferState.DONE
+        return self._bytes
+
+    def abort(self, reason: str = "aborted") -> None:
+        if self.state is TransferState.DONE:
+            return
+        self.state = TransferState.FAILED
+        self._future.cancel()
+        self._q.put(_END)
+
+
+class GrpcKVSender(KVSender):
+    """Prefill side: one channel per destination, one stream per request."""
+
+    name = "grpc"
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._lock = threading.Lock()
+
+    def _stub(self, destination: str) -> pb_grpc.KvTransferStub:
+        with self._lock:
+            if destination not in self._stubs:
+                ch = grpc.insecure_channel(destination, options=_CHANNEL_OPTIONS)
+                self._channels.append(ch)
+                self._stubs[destination] = pb_grpc.KvTransferStub(ch)
+            return self._stubs[destination]
+
+    def open(self, request_id: str, destination: str, num_layers: int, num_blocks: int, timeout_s: float) -> Transfer:
+        return GrpcTransfer(self._stub(destination), request_id, timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels:
+                ch.close()
+            self._channels.clear()
+            self._stubs.clear()

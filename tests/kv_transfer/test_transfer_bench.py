@@ -1,0 +1,45 @@
+"""`pdserve bench transfer --quick` runs end to end through the CLI (a smoke test of the benchmark,
+not a speed check): every transport gets a row per prompt size next to the raw TCP copy, and the
+TTFT rows compare colocated and disaggregated on the same prompts. It runs in this process, on the
+session's Ray, to spare a second Ray start (the command starts its own when none is running)."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.cli import main
+from pdserve.kv_transfer.bench import TRANSPORTS
+
+
+def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, capsys):
+    code = main(["bench", "transfer", "--quick", "--json", "--model", str(tiny_llama_dir), "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    r = json.loads(out)
+    assert r["bench"] == "transfer" and r["quick"] is True and r["rounds"] == 2
+    assert r["date"] and r["machine"] and r["model"] == tiny_llama_dir.name
+    g = r["kv_geometry"]
+    assert (g["num_layers"], g["num_kv_heads"], g["head_dim"], g["block_size"]) == (2, 2, 16, 16)
+    assert g["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+
+    sizes = [32, 64]
+    rows = {(row["transport"], row["prompt_tokens"]): row for row in r["transfer"]}
+    assert set(rows) == {(t, n) for t in TRANSPORTS for n in sizes}
+    for (_, n), row in rows.items():
+        assert row["bytes"] == -(-n // 16) * 16 * g["bytes_per_token"]
+        assert row["pieces"] >= 1 and row["median_s"] > 0
+        assert row["mb_per_s"] > 0 and row["raw_tcp_mb_per_s"] > 0
+        assert abs(row["ratio_to_raw_tcp"] - row["mb_per_s"] / row["raw_tcp_mb_per_s"]) < 0.01
+
+    assert [row["prompt_tokens"] for row in r["ttft"]] == sizes
+    for row in r["ttft"]:
+        assert row["prompts"] == 2 and row["colocated_s"] > 0 and row["disaggregated_s"] > 0
+        assert row["kv_stream_s"] > 0
+        expected = 100 * (row["disaggregated_s"] - row["colocated_s"]) / row["colocated_s"]
+        assert abs(row["overhead_pct"] - expected) < 1.0
+
+
+def test_bench_transfer_is_registered_in_the_cli():
+    from pdserve.cli import BENCH_COMMANDS
+
+    assert ("transfer", "pdserve.kv_transfer.bench") in [(n, m) for n, m, _ in BENCH_COMMANDS]
