@@ -459,7 +459,7 @@ class WorkerPool:
             try:
                 prefill = self._choose_prefill(request)
             except (NoWorkers, Overloaded) as exc:
-                self._fail_reserved(stream, exc)
+                await self._fail_reserved(stream, exc)
                 return
             stream.prefill_worker = prefill
             prefill.inflight.add(request.request_id)
@@ -473,7 +473,7 @@ class WorkerPool:
             except RayActorError as exc:
                 self._mark_dead(prefill, exc)
             except Exception as exc:
-                self._fail_reserved(stream, PrefillFailed(
+                await self._fail_reserved(stream, PrefillFailed(
                     f"prefill worker {prefill.name} failed on this request: {_reason(exc)}"))
                 return
             else:
@@ -503,11 +503,12 @@ class WorkerPool:
                 stream._fail(exc)
                 return
 
-    def _fail_reserved(self, stream: RequestStream, exc: BaseException) -> None:
-        """End a request whose prefill failed: its reservation goes back, the client gets ``exc``."""
+    async def _fail_reserved(self, stream: RequestStream, exc: BaseException) -> None:
+        """End a request whose prefill failed: its reservation goes back, then the client gets
+        ``exc`` (so an error the client sees means the blocks are already free)."""
         if self._streams.get(stream.request_id) is stream:
             self._forget(stream)
-            self._abort(stream.worker, stream.request_id)
+            await self._abort(stream.worker, stream.request_id)
         stream._fail(exc)
 
     async def _explain_transfer_failure(self, stream: RequestStream, delta: RequestDelta) -> None:
