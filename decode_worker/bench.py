@@ -247,7 +247,7 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
     rates = [matmul_flops_per_s(shape["matmul_size"])]  # again at the end: the bound is the best rate
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=max(2, threads), include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=max(2, threads), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     try:
         ours = run_pdserve(str(model_dir), threads, work, num_blocks, kv_bytes, max_num_seqs,

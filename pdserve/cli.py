@@ -221,7 +221,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.address:
             ray.init(address=args.address, namespace=RAY_NAMESPACE)
         else:
-            ray.init(include_dashboard=False, namespace=RAY_NAMESPACE)
+            ray.init(address="local", include_dashboard=False, namespace=RAY_NAMESPACE)
     workers: list = []
     prefill_workers: list = []
     try:
