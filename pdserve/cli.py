@@ -20,7 +20,7 @@ from typing import Sequence
 
 # (name, module, help) of top-level commands defined in other modules.
 COMMANDS: list[tuple[str, str, str]] = [
-    # ("loadtest", "pdserve.loadtest.cli", "drive a server with a workload and report latencies"),
+    ("loadtest", "pdserve.loadtest.cli", "drive a server with a workload; compare colocated vs disaggregated"),
 ]
 
 # (name, module, help) of `pdserve bench NAME` commands.
