@@ -40,6 +40,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    kv_transfer_bytes: int = 0  # last delta, KV from a prefill actor: the bytes that arrived
 
 
 @dataclass
@@ -54,6 +55,8 @@ class WorkerStats:
     free_blocks: int
     total_blocks: int
     block_size: int
+    device: str = "cpu"  # "cpu" or "cuda": where the model runs
+    peak_memory_bytes: int = 0  # CUDA: max_memory_allocated; CPU: the process's peak RSS
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 from pdserve.decode_worker.messages import EngineCounters, RequestDelta, WorkerRequest, WorkerStats
 from pdserve.decode_worker.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.memory import peak_memory_bytes
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -49,6 +50,7 @@ class Reservation:
     lock: threading.Lock = field(default_factory=threading.Lock)
     released: bool = False
     covered: set = field(default_factory=set)  # distinct (layer, block) pairs written so far
+    bytes_received: int = 0  # KV payload written so far (metrics)
 
     @property
     def pieces(self) -> int:
@@ -220,6 +222,7 @@ class EngineLoop:
         delta.num_prompt_tokens = seq.num_prompt_tokens
         delta.num_output_tokens = seq.num_output_tokens
         delta.timings = timings
+        delta.kv_transfer_bytes = getattr(seq, "transfer_bytes", 0)
         self._emit([delta])
 
     def _expire_leases(self) -> None:
@@ -292,6 +295,7 @@ class EngineLoop:
         seq.block_table.num_tokens = seq.num_computed
         seq.first_scheduled_time = seq.first_scheduled_time or time.time()
         seq.transfer_s = transfer_s
+        seq.transfer_bytes = r.bytes_received
         self.seqs[request_id] = seq
         reason = seq.append_token(first_token, first_logprob, self.runner.eos_token_ids, self.runner.max_model_len)
         # Token #1 already reached the client through the prefill side: no delta for it here.
@@ -307,6 +311,7 @@ class EngineLoop:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             queued_prompt_tokens=self.scheduler.num_waiting_tokens(),
             free_blocks=a.num_free, total_blocks=a.num_blocks, block_size=self.runner.block_size,
+            device=self.runner.device.type, peak_memory_bytes=peak_memory_bytes(self.runner.device),
         )
 
     # ---- public, thread-safe -------------------------------------------------------------------
@@ -337,6 +342,7 @@ class EngineLoop:
                 raise KeyError(f"the KV reservation of {request_id!r} was released")
             self.runner.kv.import_blocks(block_ids, layers, data)
             r.covered.update((layer, b) for layer in layers for b in block_ids)  # a duplicate adds nothing
+            r.bytes_received += data.numel() * data.element_size()
 
     def complete_kv(self, request_id: str, first_token: int, first_logprob: float | None, transfer_s: float) -> None:
         r = self.reserved.get(request_id)

@@ -31,6 +31,8 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 8000  # where vLLM users find /metrics
+LOG_LEVELS = ("debug", "info", "warning", "error")
 RAY_NAMESPACE = "pdserve"
 TRANSPORTS = ("grpc", "collective")  # the KV transports `--transport` accepts; the first is the default
 logger = logging.getLogger("pdserve")
@@ -57,6 +59,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_serve(sub)
     _add_generate(sub)
+    _add_scale(sub)
     for name, module, help_text in COMMANDS:
         _add_lazy(sub, name, module, help_text, selected=argv[:1] == [name])
     if BENCH_COMMANDS:
@@ -92,7 +95,7 @@ def _add_serve(sub) -> None:
                    help="number of decode workers (in colocated mode: workers) (default 1)")
     p.add_argument("--prefill", type=_positive_int, default=None, metavar="N",
                    help="number of prefill workers (disaggregated mode; default 1)")
-    p.add_argument("--decode-cpus", type=_non_negative_float, default=1.0, metavar="N",
+    p.add_argument("--decode-cpus", type=_non_negative_float, default=None, metavar="N",
                    help="Ray CPUs each decode (or colocated) worker reserves (default 1)")
     p.add_argument("--decode-gpus", type=_non_negative_float, default=0.0, metavar="N",
                    help="Ray GPUs each decode (or colocated) worker reserves; > 0 runs it on CUDA (default 0)")
@@ -100,6 +103,19 @@ def _add_serve(sub) -> None:
                    help="Ray CPUs each prefill worker reserves (disaggregated mode; default 1)")
     p.add_argument("--prefill-gpus", type=_non_negative_float, default=None, metavar="N",
                    help="Ray GPUs each prefill worker reserves; > 0 runs it on CUDA (disaggregated mode; default 0)")
+    p.add_argument("--decode-resources", default=None, metavar="SPEC",
+                   help="Ray resources of each decode (or colocated) worker: JSON such as "
+                   "'{\"GPU\": 1, \"decode_node\": 1}' or GPU=1,decode_node=1; CPU and GPU there replace "
+                   "--decode-cpus/--decode-gpus, other names are custom resources that pin the workers to "
+                   "nodes that advertise them (docs/cluster.md)")
+    p.add_argument("--prefill-resources", default=None, metavar="SPEC",
+                   help="Ray resources of each prefill worker, as --decode-resources (disaggregated mode)")
+    p.add_argument("--resource-wait", type=_non_negative_float, default=0.0, metavar="SECONDS",
+                   help="how long to wait for a cluster that lacks the workers' resources to grow "
+                   "(an autoscaler adding nodes); 0 fails at once, naming what is missing (default 0)")
+    p.add_argument("--name", default="pdserve", type=_actor_name,
+                   help="prefix of this server's actor names (NAME-decode-0, ...): give two servers "
+                   "on one Ray cluster different names (default pdserve)")
     p.add_argument("--transport", choices=list(TRANSPORTS), default=None,
                    help="how KV moves from prefill to decode workers: grpc (a stream of frames) or "
                    "collective (torch point-to-point: gloo on CPU, nccl on CUDA) (disaggregated mode; "
@@ -124,6 +140,12 @@ def _add_serve(sub) -> None:
                    help="most requests waiting for a worker with room (default 1024)")
     p.add_argument("--queue-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="longest wait for a worker with room before RESOURCE_EXHAUSTED (default 30)")
+    p.add_argument("--metrics-port", type=_metrics_port, default=None, metavar="PORT",
+                   help=f"serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port, 'off' "
+                   f"disables (default {DEFAULT_METRICS_PORT}; a free port when --port is 0)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level of the server process; 'info' logs one line per finished request "
+                   "(default info)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -135,6 +157,24 @@ def parse_size(text: str) -> int:
     number, unit, suffix = float(m.group(1)), m.group(2).lower(), m.group(3).lower()
     base = 1000 if suffix == "b" and unit else 1024
     return int(number * base ** " kmgt".index(unit or " "))
+
+
+def _metrics_port(text: str) -> int | str:
+    if text.strip().lower() in ("off", "none", "disabled"):
+        return "off"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number (0 for a free one) or 'off', got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535 or 'off', got {value}")
+    return value
+
+
+def _actor_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", text):
+        raise argparse.ArgumentTypeError(f"expected letters, digits, '.', '_' or '-' (at most 64), got {text!r}")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -164,25 +204,41 @@ def _fail(message: str, code: int = 1) -> int:
 
 def _check_serve_args(args: argparse.Namespace) -> str | None:
     """Fill in the disaggregated-mode defaults; the error for flags the mode does not use."""
+    from pdserve.router.resources import ResourceSpecError, parse_resources, role_resources
+
+    try:
+        args.decode_role = role_resources(parse_resources(getattr(args, "decode_resources", None) or "",
+                                                          "--decode-resources"),
+                                          args.decode_cpus, args.decode_gpus, "--decode-resources")
+    except ResourceSpecError as exc:
+        return str(exc)
+    args.decode_cpus, args.decode_gpus = args.decode_role.num_cpus, args.decode_role.num_gpus
     if args.mode == "colocated":
         if args.prefill is not None:
             return "--prefill applies to --mode disaggregated only; colocated workers prefill themselves"
-        for flag in ("prefill_cpus", "prefill_gpus", "transport"):
-            if getattr(args, flag) is not None:
+        for flag in ("prefill_cpus", "prefill_gpus", "prefill_resources", "transport"):
+            if getattr(args, flag, None) is not None:
                 return f"--{flag.replace('_', '-')} applies to --mode disaggregated only"
         return None
     args.prefill = 1 if args.prefill is None else args.prefill
-    args.prefill_cpus = 1.0 if args.prefill_cpus is None else args.prefill_cpus
-    args.prefill_gpus = 0.0 if args.prefill_gpus is None else args.prefill_gpus
+    try:
+        args.prefill_role = role_resources(parse_resources(getattr(args, "prefill_resources", None) or "",
+                                                           "--prefill-resources"),
+                                           args.prefill_cpus, args.prefill_gpus, "--prefill-resources")
+    except ResourceSpecError as exc:
+        return str(exc)
+    args.prefill_cpus, args.prefill_gpus = args.prefill_role.num_cpus, args.prefill_role.num_gpus
     args.transport = args.transport or TRANSPORTS[0]
     return None
 
 
 def _check_resources(args: argparse.Namespace, strict: bool) -> str | None:
-    """Whether the Ray cluster has the CPUs and GPUs the actors ask for: actors that do not fit
-    wait forever for resources, so say so at once (``strict``: the Ray we started ourselves;
-    otherwise only warn, since a cluster may grow)."""
+    """Whether the Ray cluster has the resources the actors ask for, in all and on single nodes
+    (an actor runs on one node): actors that do not fit wait forever, so say so at once
+    (``strict``; otherwise only warn: with --resource-wait an autoscaler may add nodes)."""
     import ray
+
+    from pdserve.router.resources import cluster_nodes, unplaceable
 
     want = {"CPU": args.decode * args.decode_cpus, "GPU": args.decode * args.decode_gpus}
     if args.mode == "disaggregated":
@@ -197,6 +253,15 @@ def _check_resources(args: argparse.Namespace, strict: bool) -> str | None:
             if strict:
                 return message
             logger.warning("%s (waiting for the cluster to grow)", message)
+    demands = [("decode" if args.mode == "disaggregated" else "colocated", args.decode, args.decode_role)]
+    if args.mode == "disaggregated":
+        demands.append(("prefill", args.prefill, args.prefill_role))
+    message = unplaceable(demands, cluster_nodes())
+    if message:
+        if strict:
+            return message + ("" if args.address is None else
+                              "; or let an autoscaler add nodes: --resource-wait SECONDS")
+        logger.warning("%s (waiting up to %g s for the cluster to grow)", message, args.resource_wait)
     return None
 
 
@@ -204,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     error = _check_serve_args(args)
     if error:
         return _fail(error, 2)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from pdserve.engine.model_loader import ModelNotFoundError, load_tokenizer
 
@@ -224,17 +289,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ray.init(address="local", include_dashboard=False, namespace=RAY_NAMESPACE)
     workers: list = []
     prefill_workers: list = []
+    factory = None
     try:
-        error = _check_resources(args, strict=started_ray and not args.address)
+        error = _check_resources(args, strict=not (args.address and args.resource_wait))
         if error:
             return _fail(error)
-        if args.mode == "disaggregated":
-            workers, prefill_workers = start_disaggregated_workers(args)
-        else:
-            workers = start_colocated_workers(args)
-        return asyncio.run(_serve(args, workers, tokenizer, prefill_workers))
+        factory = actor_factory(args)
+        from pdserve.router.scaling import StartFailed
+
+        try:
+            if args.mode == "disaggregated":
+                workers, prefill_workers = start_disaggregated_workers(args, factory)
+            else:
+                workers = start_colocated_workers(args, factory)
+        except StartFailed as exc:
+            return _fail(str(exc))
+        return asyncio.run(_serve(args, workers, tokenizer, prefill_workers, factory))
     finally:
-        for w in workers + prefill_workers:
+        for w in workers + prefill_workers + (factory.started if factory is not None else []):
             try:
                 ray.kill(w)
             except Exception:  # already gone
@@ -254,55 +326,67 @@ def _engine_config(args: argparse.Namespace):
     return config
 
 
-def start_colocated_workers(args: argparse.Namespace) -> list:
+def actor_factory(args: argparse.Namespace):
+    """What starts this server's worker actors, now and when `pdserve scale` asks for more."""
+    from pdserve.decode_worker.worker import WorkerConfig
+    from pdserve.router.scaling import ActorFactory
+
+    if args.mode == "disaggregated":
+        from pdserve.prefill_worker.worker import PrefillConfig
+
+        configs = {"decode": WorkerConfig(engine=_engine_config(args), transport=args.transport),
+                   "prefill": PrefillConfig(engine=_engine_config(args), transport=args.transport)}
+        resources = {"decode": args.decode_role, "prefill": args.prefill_role}
+    else:
+        configs = {"colocated": WorkerConfig(engine=_engine_config(args))}
+        resources = {"colocated": args.decode_role}
+    return ActorFactory(configs, resources, resource_wait_s=args.resource_wait, name=args.name)
+
+
+def start_colocated_workers(args: argparse.Namespace, factory=None) -> list:
     """Start ``args.decode`` colocated worker actors and return their handles."""
-    try:
-        from pdserve.decode_worker.worker import start_workers
-    except ImportError as exc:
-        raise SystemExit(f"pdserve: error: the worker actor is not available in this build ({exc})")
-    return start_workers(_engine_config(args), num_workers=args.decode,
-                         num_cpus=args.decode_cpus, num_gpus=args.decode_gpus)
+    factory = factory or actor_factory(args)
+    return factory.start("colocated", args.decode)[0]
 
 
-def start_disaggregated_workers(args: argparse.Namespace) -> tuple[list, list]:
+def start_disaggregated_workers(args: argparse.Namespace, factory=None) -> tuple[list, list]:
     """Start ``args.decode`` decode actors (each with a KV receiver for ``args.transport``) and
     ``args.prefill`` prefill actors, both roles at once; return both lists of handles."""
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
 
-    from pdserve.decode_worker.worker import WorkerConfig, start_workers
-    from pdserve.prefill_worker.worker import PrefillConfig, start_prefill_workers
-
+    factory = factory or actor_factory(args)
     with ThreadPoolExecutor(2) as pool:
-        decode = pool.submit(start_workers, WorkerConfig(engine=_engine_config(args), transport=args.transport),
-                             num_workers=args.decode, num_cpus=args.decode_cpus, num_gpus=args.decode_gpus,
-                             role="decode")
-        prefill = pool.submit(start_prefill_workers,
-                              PrefillConfig(engine=_engine_config(args), transport=args.transport),
-                              num_workers=args.prefill, num_cpus=args.prefill_cpus, num_gpus=args.prefill_gpus)
-        started = [f.result() for f in (decode, prefill) if f.exception() is None]
+        decode = pool.submit(factory.start, "decode", args.decode)
+        prefill = pool.submit(factory.start, "prefill", args.prefill)
+        started = [f.result()[0] for f in (decode, prefill) if f.exception() is None]
         failed = [f.exception() for f in (decode, prefill) if f.exception() is not None]
     if failed:
         for handles in started:
             for w in handles:
                 ray.kill(w)
         raise failed[0]
-    return decode.result(), prefill.result()
+    return decode.result()[0], prefill.result()[0]
 
 
-async def _serve(args: argparse.Namespace, workers: list, tokenizer, prefill_workers: list = ()) -> int:
+async def _serve(args: argparse.Namespace, workers: list, tokenizer, prefill_workers: list = (),
+                 factory=None) -> int:
+    from pdserve.router.metrics import MetricsPortInUse
     from pdserve.router.server import PortInUse, RouterConfig, RouterServer
 
+    metrics_port = args.metrics_port
+    if metrics_port is None:
+        metrics_port = 0 if args.port == 0 else DEFAULT_METRICS_PORT
     server = RouterServer(workers, tokenizer, RouterConfig(
         host=args.host, port=args.port, model=args.model, mode=args.mode,
         transport=args.transport or TRANSPORTS[0],
         max_inflight_per_worker=args.max_inflight, max_queued_requests=args.max_queued,
-        queue_timeout_s=args.queue_timeout,
-    ), prefill_workers=list(prefill_workers) or None)
+        queue_timeout_s=args.queue_timeout, metrics_port=None if metrics_port == "off" else metrics_port,
+    ), prefill_workers=list(prefill_workers) or None, actor_factory=factory)
     try:
         address = await server.start()
-    except PortInUse as exc:
+    except (PortInUse, MetricsPortInUse) as exc:
         return _fail(str(exc))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -315,11 +399,67 @@ async def _serve(args: argparse.Namespace, workers: list, tokenizer, prefill_wor
         what = f"{len(workers)} worker{'s' if len(workers) != 1 else ''}"
     print(f"pdserve: listening on {address} ({args.mode}, {what}, model {args.model}); Ctrl-C stops",
           flush=True)
+    if server.metrics_port is not None:
+        print(f"pdserve: metrics on http://{args.host}:{server.metrics_port}/metrics", flush=True)
     await stop.wait()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)  # a second Ctrl-C interrupts the shutdown itself
     print("pdserve: shutting down", file=sys.stderr, flush=True)
     await server.stop()
+    return 0
+
+
+# ---- scale -------------------------------------------------------------------------------------
+
+
+def _add_scale(sub) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="change the number of prefill/decode workers of a running server",
+        description="Ask a running `pdserve serve` to run N prefill and M decode workers (colocated "
+        "mode: M workers). New workers start and join before the command returns; removed ones drain "
+        "(no new requests, running ones finish) and stop. No request is lost.",
+    )
+    p.add_argument("--prefill", type=_positive_int, default=None, metavar="N",
+                   help="prefill workers wanted (disaggregated mode); absent: unchanged")
+    p.add_argument("--decode", type=_positive_int, default=None, metavar="M",
+                   help="decode workers wanted (colocated mode: workers); absent: unchanged")
+    p.add_argument("--address", "--target", dest="target", default=f"127.0.0.1:{DEFAULT_PORT}",
+                   metavar="HOST:PORT", help=f"the server (default 127.0.0.1:{DEFAULT_PORT})")
+    p.add_argument("--drain-timeout", type=_non_negative_float, default=None, metavar="SECONDS",
+                   help="longest wait for a removed worker's running requests; past it they fail "
+                   "(default 300)")
+    p.add_argument("--timeout", type=_non_negative_float, default=None, metavar="SECONDS",
+                   help="deadline of the whole call (default: none)")
+    p.set_defaults(func=cmd_scale)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.router.admin import scale
+
+    if args.prefill is None and args.decode is None:
+        return _fail("say how many workers: --prefill N and/or --decode M", 2)
+    try:
+        reply = scale(args.target, prefill=args.prefill, decode=args.decode,
+                      drain_timeout_s=args.drain_timeout, timeout=args.timeout)
+    except grpc.RpcError as exc:
+        hint = ""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            hint = f" (is `pdserve serve` running at {args.target}?)"
+        return _fail(f"{exc.code().name}: {exc.details()}{hint}")
+    changes = []
+    if reply.added:
+        changes.append("started " + ", ".join(reply.added))
+    if reply.removed:
+        changes.append("drained and stopped " + ", ".join(reply.removed))
+    print(f"pdserve: {reply.num_prefill_workers} prefill + {reply.num_decode_workers} decode workers"
+          + (f" ({'; '.join(changes)})" if changes else " (no change)"))
+    if reply.num_requests_cut:
+        print(f"pdserve: {reply.num_requests_cut} request(s) were still running on removed workers when "
+              "the drain timed out and failed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -24,6 +24,7 @@ import torch
 from pdserve.decode_worker.messages import WorkerRequest, WorkerStats
 from pdserve.engine.block_allocator import OutOfBlocks
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.memory import peak_memory_bytes
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sequence import Sequence
@@ -126,7 +127,8 @@ class PrefillEngine:
         a = self.runner.allocator
         queued = sum(len(t.seq.token_ids) - t.seq.num_computed for t in list(self.waiting) + list(self.running))
         return WorkerStats(self.name, "prefill", len(self.running), len(self.waiting), queued,
-                           a.num_free, a.num_blocks, self.runner.block_size)
+                           a.num_free, a.num_blocks, self.runner.block_size, device=self.runner.device.type,
+                           peak_memory_bytes=peak_memory_bytes(self.runner.device))
 
     def stop(self) -> None:
         with self._cv:

@@ -18,9 +18,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.admin import SERVICE_NAME as ADMIN_SERVICE_NAME
+from pdserve.router.admin import AdminService
 from pdserve.router.preprocess import Preprocessor
 from pdserve.router.service import GenerationService
 from pdserve.router.worker_pool import WorkerPool
+from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -54,6 +58,7 @@ class RouterConfig:
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0  # longest wait for a worker with room, deadline or not
     shutdown_grace_s: float = 5.0
+    metrics_port: int | None = None  # HTTP /metrics (Prometheus) on `host`; 0 picks a free port; None: off
 
 
 MODES = ("colocated", "disaggregated")
@@ -64,11 +69,13 @@ class RouterServer:
     """A ``grpc.aio`` server in front of worker actor handles.
 
     ``workers`` are the colocated workers, or the decode workers when ``config.mode`` is
-    ``"disaggregated"``; then ``prefill_workers`` are the prefill workers.
+    ``"disaggregated"``; then ``prefill_workers`` are the prefill workers. With an
+    ``actor_factory`` (``router.scaling.ActorFactory``) the ``Admin.Scale`` RPC changes their
+    numbers at run time; without one it answers UNIMPLEMENTED.
     """
 
     def __init__(self, workers: list, tokenizer, config: RouterConfig | None = None,
-                 prefill_workers: list | None = None):
+                 prefill_workers: list | None = None, actor_factory=None):
         self.config = config or RouterConfig()
         if self.config.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.config.mode!r}")
@@ -80,6 +87,7 @@ class RouterServer:
         elif prefill_workers:
             raise ValueError("prefill workers are for disaggregated mode; colocated workers prefill themselves")
         self._tokenizer = tokenizer
+        self._actor_factory = actor_factory
         self._health = health.aio.HealthServicer()
         disaggregated = self.config.mode == "disaggregated"
         self.pool = WorkerPool(
@@ -89,6 +97,10 @@ class RouterServer:
             max_waiting=self.config.max_queued_requests,
             on_change=self._workers_changed,
         )
+        self.metrics = RouterMetrics(
+            self.pool, self.config.mode, self.config.transport if disaggregated else "none",
+            model=self.config.model, version=_version())
+        self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -114,7 +126,8 @@ class RouterServer:
             version=_version(),
         )
         service = GenerationService(
-            self.pool, preprocessor, server_info, queue_timeout_s=self.config.queue_timeout_s
+            self.pool, preprocessor, server_info, queue_timeout_s=self.config.queue_timeout_s,
+            metrics=self.metrics,
         )
         server = grpc.aio.server(
             options=[
@@ -124,9 +137,13 @@ class RouterServer:
             ]
         )
         pb_grpc.add_GenerationServicer_to_server(service, server)
+        from pdserve.router.scaling import Scaler
+
+        scaler = Scaler(self.pool, self._actor_factory) if self._actor_factory is not None else None
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(scaler), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+            [SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         target = f"{self.config.host}:{self.config.port}"
         try:
@@ -140,6 +157,15 @@ class RouterServer:
             await self.pool.close()
             raise PortInUse(f"cannot listen on {target} (is the port in use?)") from cause
         self.port = port
+        self.metrics.bind_loop(asyncio.get_running_loop())
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.start_http(self.config.host, self.config.metrics_port)
+            except OSError:
+                await server.stop(None)
+                await self.pool.close()
+                raise
+            logger.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
         await server.start()
         self._server = server
         await self._set_health(self.pool.can_serve)
@@ -153,6 +179,7 @@ class RouterServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.pool.close()
+        self.metrics.stop_http()
         self._server = None
 
     async def wait_for_termination(self) -> None:
@@ -173,12 +200,12 @@ class BackgroundRouter:
     """A ``RouterServer`` on its own event loop in a daemon thread."""
 
     def __init__(self, workers: list, tokenizer, config: RouterConfig | None = None,
-                 prefill_workers: list | None = None):
+                 prefill_workers: list | None = None, actor_factory=None):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve-router", daemon=True)
         self._thread.start()
         try:
-            self.server = RouterServer(workers, tokenizer, config, prefill_workers)
+            self.server = RouterServer(workers, tokenizer, config, prefill_workers, actor_factory)
             self.address = self._call(self.server.start())
         except BaseException:
             self._shutdown_loop()
@@ -187,6 +214,10 @@ class BackgroundRouter:
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.server.metrics_port
 
     def _call(self, coro, timeout: float | None = 120):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -206,6 +237,6 @@ class BackgroundRouter:
 
 
 def start_in_thread(workers: list, tokenizer, config: RouterConfig | None = None,
-                    prefill_workers: list | None = None) -> BackgroundRouter:
+                    prefill_workers: list | None = None, actor_factory=None) -> BackgroundRouter:
     """Start a router on a background thread; returns once it listens (``.address``)."""
-    return BackgroundRouter(workers, tokenizer, config, prefill_workers)
+    return BackgroundRouter(workers, tokenizer, config, prefill_workers, actor_factory)

@@ -9,6 +9,7 @@ error), the request is closed on its workers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -18,6 +19,7 @@ import grpc
 
 from pdserve.decode_worker.messages import WorkerRequest
 from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.metrics import RequestObserver, RouterMetrics
 from pdserve.router.preprocess import InvalidRequest, Preprocessor
 from pdserve.router.stop import StopStringMatcher
 from pdserve.router.worker_pool import (
@@ -61,8 +63,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         preprocessor: Preprocessor,
         server_info: pb.ServerInfo,
         queue_timeout_s: float = 30.0,
+        metrics: RouterMetrics | None = None,
     ):
         self.pool = pool
+        self.metrics = metrics
         self.preprocessor = preprocessor
         self._info = server_info
         self.queue_timeout_s = queue_timeout_s
@@ -107,6 +111,28 @@ class GenerationService(pb_grpc.GenerationServicer):
         return max(0.0, min(self.queue_timeout_s, remaining - _DEADLINE_MARGIN_S))
 
     async def _run(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        """``_serve`` with metrics: every response goes past the request's observer, and however
+        the request ends (summary, error status, cancel, deadline) it is counted once."""
+        obs = RequestObserver(self.metrics)
+        responses = self._serve(request, context, obs)
+        try:
+            async for response in responses:
+                obs.response(response)
+                yield response
+        except RequestFailed as exc:
+            obs.failed(exc.code.name, exc.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            obs.failed("DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED")
+            raise
+        except Exception as exc:
+            obs.failed("UNKNOWN", repr(exc))
+            raise
+        finally:
+            await responses.aclose()  # closes the request on its workers now, not when collected
+
+    async def _serve(self, request: pb.GenerateRequest, context,
+                     obs: RequestObserver) -> AsyncIterator[pb.GenerateResponse]:
         t_arrival = time.monotonic()
         try:
             prepared = self.preprocessor.prepare(request)
@@ -114,6 +140,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise RequestFailed(getattr(grpc.StatusCode, exc.code), str(exc)) from None
         request_id = uuid.uuid4().hex
         shown_id = prepared.client_request_id or request_id
+        obs.started(shown_id, len(prepared.prompt_token_ids))
         # Workers measure their queue from `arrival_time` (wall clock, comparable across processes).
         t_created = time.monotonic()
         worker_request = WorkerRequest(
@@ -171,6 +198,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                     response.finish_reason = FINISH_REASONS.get(finish, pb.FINISH_REASON_ABORT)
                     response.usage.prompt_tokens = len(prepared.prompt_token_ids)
                     response.usage.completion_tokens = detok.num_output_tokens
+                    obs.worker_timings = stream.phase_timings(delta)
+                    obs.kv_transfer_bytes = delta.kv_transfer_bytes
                     self._fill_timings(
                         response.timings, stream.phase_timings(delta), t_arrival, t_created, t_placed,
                         t_first, time.monotonic(),
@@ -215,6 +244,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         out.transfer_s = worker.get("transfer", 0.0)
         out.prefill_s = worker.get("prefill", max(0.0, out.ttft_s - out.queued_s - out.transfer_s))
         out.decode_s = worker.get("decode", max(0.0, out.e2e_s - out.ttft_s))
+
+
+def _deadline_passed(context) -> bool:
+    try:
+        remaining = context.time_remaining()
+    except Exception:  # the RPC is already torn down
+        return False
+    return remaining is not None and remaining <= 0
 
 
 def _failure(exc: BaseException, running: bool = False) -> RequestFailed:

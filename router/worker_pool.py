@@ -79,6 +79,7 @@ class _Worker:
     sent_blocks: int = 0  # KV blocks those requests will need
     alive: bool = True
     poll_task: asyncio.Task | None = None
+    draining: bool = False  # being scaled away: no new requests, running ones finish
 
     def load(self, max_inflight: int) -> WorkerLoad:
         s = self.stats
@@ -277,6 +278,20 @@ class WorkerPool:
     def loads(self) -> list[WorkerLoad]:
         return [w.load(self.max_inflight_per_worker) for w in self._workers if w.alive]
 
+    def worker_snapshot(self) -> list[tuple[str, str, bool, WorkerStats]]:
+        """``(role, name, alive, last stats)`` of every worker, prefill workers included (metrics)."""
+        return [(w.role, w.name, w.alive, w.stats) for w in self._workers + self._prefill]
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting in the router for a worker with room."""
+        return self._num_waiting
+
+    async def refresh_stats(self) -> None:
+        """Ask every live worker for its stats now, whatever their age (a metrics scrape)."""
+        self._stats_time = 0.0
+        await self._refresh_stats()
+
     # ---- requests --------------------------------------------------------------------------
 
     async def submit(self, request: WorkerRequest, timeout: float | None) -> RequestStream:
@@ -320,7 +335,7 @@ class WorkerPool:
     async def _place(self, num_tokens: int, deadline: float | None) -> _Worker:
         while True:
             await self._refresh_stats()
-            alive = [w for w in self._workers if w.alive]
+            alive = [w for w in self._workers if w.alive and not w.draining]
             if not alive:
                 raise NoWorkers("no worker is available" if not self.disaggregated
                                 else "no decode worker is available")
@@ -397,7 +412,7 @@ class WorkerPool:
         return stream
 
     def _choose_prefill(self, request: WorkerRequest) -> _Worker:
-        alive = [w for w in self._prefill if w.alive]
+        alive = [w for w in self._prefill if w.alive and not w.draining]
         if not alive:
             raise NoWorkers("no prefill worker is available")
         n = len(request.prompt_token_ids)
@@ -533,6 +548,99 @@ class WorkerPool:
             stream._push(WorkerDied(f"prefill worker {prefill.name} died while sending this request's KV cache"))
         else:
             stream._push(delta)
+
+    # ---- runtime scaling (router/scaling.py decides; these act) -----------------------------
+
+    def num_serving(self, role: str) -> int:
+        """Live workers of ``role`` ("prefill", or the polled role) that take new requests."""
+        workers = self._prefill if role == "prefill" else self._workers
+        return sum(w.alive and not w.draining for w in workers)
+
+    async def add_workers(self, actors: list, role: str) -> list[str]:
+        """Bring started actors of ``role`` into placement; returns their names. Their model
+        must be the pool's, and decode workers need a KV receiver."""
+        polled = "decode" if self.disaggregated else "colocated"
+        if role not in ("prefill", polled) or (role == "prefill" and not self.disaggregated):
+            raise ValueError(f"a {'disaggregated' if self.disaggregated else 'colocated'} pool has no {role} workers")
+        infos = await asyncio.gather(*(a.model_info.remote() for a in actors))
+        stats = await asyncio.gather(*(a.stats.remote() for a in actors))
+        keys = ("model", "max_model_len", "vocab_size") + (("block_size",) if self.disaggregated else ())
+        for info in infos:
+            if any(info.get(k) != self.model_info.get(k) for k in keys):
+                raise ValueError(f"the new worker serves another model: {info} vs {self.model_info}")
+        addresses: list = [None] * len(actors)
+        if role == "decode":
+            addresses = await asyncio.gather(*(a.kv_address.remote() for a in actors))
+            if None in addresses:
+                raise ValueError("a new decode worker has no KV receiver (start it with role='decode')")
+        taken = {w.name for w in self._workers + self._prefill}
+        names = []
+        for actor, info, st, address in zip(actors, infos, stats, addresses):
+            name = st.name or f"worker-{len(taken)}"
+            while name in taken:
+                name = f"{name}+"
+            taken.add(name)
+            w = _Worker(name, actor, info, st, role=role, kv_address=address)
+            if role == "prefill":
+                self._prefill.append(w)
+            else:
+                self._workers.append(w)
+                w.poll_task = asyncio.create_task(self._poll(w), name=f"poll-{w.name}")
+            names.append(name)
+        await self._notify_capacity()  # requests waiting for room may fit now
+        self._changed()
+        return names
+
+    async def remove_workers(self, role: str, count: int, drain_timeout_s: float | None) -> tuple[list, list[str], int]:
+        """Drain ``count`` workers of ``role`` (the least loaded) and take them out of the pool.
+
+        Draining workers get no new requests; the call waits until their running requests have
+        finished (for a prefill worker: until every KV cache it computed has reached its decode
+        worker) or ``drain_timeout_s`` has passed, when what still runs on them fails with
+        ``WorkerDied``. Returns ``(actors, names, number of requests cut)``: stopping the actors
+        is the caller's job.
+        """
+        workers = self._prefill if role == "prefill" else self._workers
+        candidates = sorted((w for w in workers if w.alive and not w.draining), key=lambda w: len(w.inflight))
+        chosen = candidates[:count]
+        for w in chosen:
+            w.draining = True
+        deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
+        while True:
+            busy = [w for w in chosen if w.alive and await self._still_busy(w)]
+            if not busy or (deadline is not None and time.monotonic() >= deadline):
+                break
+            await asyncio.sleep(0.05)
+        cut = 0
+        for w in chosen:
+            streams = [s for s in self._streams.values() if s.worker is w or
+                       (s.prefill_worker is w and not s.decode_started)]
+            for stream in streams:
+                cut += 1
+                stream._fail(WorkerDied(f"worker {w.name} was scaled away before this request finished "
+                                        f"(its drain timed out after {drain_timeout_s} s)"))
+                stream.close()  # frees its blocks on the workers that are staying
+            w.alive = False  # retired: a late RayActorError is not news
+            if w.poll_task is not None:
+                w.poll_task.cancel()
+        await asyncio.gather(*(w.poll_task for w in chosen if w.poll_task is not None), return_exceptions=True)
+        for w in chosen:
+            workers.remove(w)
+        self._changed()
+        return [w.actor for w in chosen], [w.name for w in chosen], cut
+
+    async def _still_busy(self, w: _Worker) -> bool:
+        if w.role != "prefill":
+            return bool(w.inflight)
+        if w.inflight or any(s.prefill_worker is w and not s.decode_started for s in self._streams.values()):
+            return True
+        try:  # the router's view is clear; the worker's own queue settles it
+            st = await asyncio.wait_for(_awaitable(w.actor.stats.remote()), self.stats_timeout_s)
+        except RayActorError:
+            return False
+        except Exception:
+            return True
+        return st.num_running > 0 or st.num_waiting > 0
 
     # ---- the long poll ---------------------------------------------------------------------
 
