@@ -97,7 +97,7 @@ def _add_serve(sub) -> None:
                    help="number of prefill workers (disaggregated mode; default 1)")
     p.add_argument("--decode-cpus", type=_non_negative_float, default=None, metavar="N",
                    help="Ray CPUs each decode (or colocated) worker reserves (default 1)")
-    p.add_argument("--decode-gpus", type=_non_negative_float, default=0.0, metavar="N",
+    p.add_argument("--decode-gpus", type=_non_negative_float, default=None, metavar="N",
                    help="Ray GPUs each decode (or colocated) worker reserves; > 0 runs it on CUDA (default 0)")
     p.add_argument("--prefill-cpus", type=_non_negative_float, default=None, metavar="N",
                    help="Ray CPUs each prefill worker reserves (disaggregated mode; default 1)")
@@ -206,6 +206,8 @@ def _check_serve_args(args: argparse.Namespace) -> str | None:
     """Fill in the disaggregated-mode defaults; the error for flags the mode does not use."""
     from pdserve.router.resources import ResourceSpecError, parse_resources, role_resources
 
+    if getattr(args, "decode_role", None) is not None:
+        return None  # checked already: the flags now hold the merged values
     try:
         args.decode_role = role_resources(parse_resources(getattr(args, "decode_resources", None) or "",
                                                           "--decode-resources"),
@@ -253,9 +255,9 @@ def _check_resources(args: argparse.Namespace, strict: bool) -> str | None:
             if strict:
                 return message
             logger.warning("%s (waiting for the cluster to grow)", message)
-    demands = [("decode" if args.mode == "disaggregated" else "colocated", args.decode, args.decode_role)]
+    demands = [("decode" if args.mode == "disaggregated" else "colocated", args.decode, _role(args, "decode"))]
     if args.mode == "disaggregated":
-        demands.append(("prefill", args.prefill, args.prefill_role))
+        demands.append(("prefill", args.prefill, _role(args, "prefill")))
     message = unplaceable(demands, cluster_nodes())
     if message:
         if strict:
@@ -336,11 +338,20 @@ def actor_factory(args: argparse.Namespace):
 
         configs = {"decode": WorkerConfig(engine=_engine_config(args), transport=args.transport),
                    "prefill": PrefillConfig(engine=_engine_config(args), transport=args.transport)}
-        resources = {"decode": args.decode_role, "prefill": args.prefill_role}
+        resources = {"decode": _role(args, "decode"), "prefill": _role(args, "prefill")}
     else:
         configs = {"colocated": WorkerConfig(engine=_engine_config(args))}
-        resources = {"colocated": args.decode_role}
+        resources = {"colocated": _role(args, "decode")}
     return ActorFactory(configs, resources, resource_wait_s=args.resource_wait, name=args.name)
+
+
+def _role(args: argparse.Namespace, role: str):
+    """The ``RoleResources`` of ``role`` ("decode" or "prefill") from the checked flags."""
+    from pdserve.router.resources import RoleResources
+
+    custom = getattr(args, f"{role}_role", None)
+    return RoleResources(num_cpus=getattr(args, f"{role}_cpus"), num_gpus=getattr(args, f"{role}_gpus"),
+                         custom=dict(custom.custom) if custom is not None else {})
 
 
 def start_colocated_workers(args: argparse.Namespace, factory=None) -> list:

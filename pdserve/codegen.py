@@ -15,7 +15,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "proto"
-PROTO_FILES = ("pdserve/v1/generation.proto", "pdserve/internal/kv_transfer.proto")
+PROTO_FILES = ("pdserve/v1/generation.proto", "pdserve/v1/admin.proto", "pdserve/internal/kv_transfer.proto")
 
 
 def generated_files(proto_file: str) -> list[str]:
