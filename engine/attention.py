@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine import paged_decode
 
 
 @dataclass
@@ -31,6 +34,12 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [B, Lmax] context slots of the decode sequences (padded)
     decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, or None when no padding is needed
     prefills: list[PrefillChunk]
+    # In-place decode (CPU float32, see paged_decode): block tables and context ranges instead of
+    # decode_slots/decode_mask; the kernel reads the pool where the KV lies.
+    decode_block_tables: np.ndarray | None = None  # int64 [B, max_blocks]
+    decode_ctx_start: np.ndarray | None = None  # int64 [B]
+    decode_ctx_end: np.ndarray | None = None  # int64 [B]
+    block_size: int = 0
 
     @staticmethod
     def build(
@@ -39,11 +48,26 @@ class AttentionMetadata:
         prefill_runs: list[tuple[int, int, int, list[int]]],
         device: torch.device,
         sliding_window: int | None = None,
+        decode_block_tables: list[list[int]] | None = None,
+        decode_lens: list[int] | None = None,
+        block_size: int = 0,
     ) -> "AttentionMetadata":
-        """``prefill_runs`` holds ``(start, end, first_position, context_slots)`` per chunk."""
+        """``prefill_runs`` holds ``(start, end, first_position, context_slots)`` per chunk.
+
+        Decode sequences come either as ``decode_context_slots`` (every context slot: the torch
+        gather path) or as ``decode_block_tables`` + ``decode_lens`` (the in-place kernel)."""
         long = dict(dtype=torch.long, device=device)
         decode_slots = decode_mask = None
-        if decode_context_slots:
+        tables = ctx_start = ctx_end = None
+        num_decode = len(decode_context_slots)
+        if decode_block_tables:
+            num_decode = len(decode_block_tables)
+            tables = np.zeros((num_decode, max(len(t) for t in decode_block_tables)), dtype=np.int64)
+            for i, t in enumerate(decode_block_tables):
+                tables[i, : len(t)] = t
+            ctx_end = np.asarray(decode_lens, dtype=np.int64)
+            ctx_start = np.zeros_like(ctx_end) if sliding_window is None else np.maximum(ctx_end - sliding_window, 0)
+        elif decode_context_slots:
             lens = [len(s) for s in decode_context_slots]
             lmax = max(lens)
             padded = [s + [0] * (lmax - len(s)) for s in decode_context_slots]
@@ -68,9 +92,8 @@ class AttentionMetadata:
                 mask &= kpos > qpos - sliding_window
             slots = torch.tensor(ctx, **long) if first_pos > 0 else None
             prefills.append(PrefillChunk(start, end, slots, mask))
-        return AttentionMetadata(
-            torch.tensor(slot_mapping, **long), len(decode_context_slots), decode_slots, decode_mask, prefills
-        )
+        return AttentionMetadata(torch.tensor(slot_mapping, **long), num_decode, decode_slots, decode_mask, prefills,
+                                 tables, ctx_start, ctx_end, block_size)
 
 
 def paged_attention(
@@ -88,7 +111,12 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     parts = []
     nd = meta.num_decode
-    if nd:
+    if nd and meta.decode_block_tables is not None:
+        bs = meta.block_size
+        parts.append(paged_decode.decode_attention(
+            q[:nd], k_cache.view(-1, bs, *k_cache.shape[1:]), v_cache.view(-1, bs, *v_cache.shape[1:]),
+            meta.decode_block_tables, meta.decode_ctx_start, meta.decode_ctx_end, scale))
+    elif nd:
         qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
         kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
         vd = v_cache[meta.decode_slots].transpose(1, 2)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine import paged_decode
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
@@ -74,6 +75,10 @@ class ModelRunner:
         self.kv = KVCache(m.num_layers, num_blocks, config.block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = config.block_size
+        # Decode attention reads the pool in place where it can (CPU float32); see paged_decode.
+        self.paged_decode = paged_decode.available(self.device, self.dtype)
+        if self.paged_decode:
+            paged_decode.set_threads(torch.get_num_threads())
         logger.info("model %s loaded in %.1f s; %d KV blocks of %d tokens (%.0f MiB)",
                     self.model_dir, time.time() - start, num_blocks, config.block_size,
                     num_blocks * per_block / 2**20)
@@ -96,6 +101,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         decode_ctx: list[list[int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefill_runs: list[tuple[int, int, int, list[int]]] = []
         last_index: dict[int, int] = {}
         for i in order:
@@ -107,17 +114,25 @@ class ModelRunner:
             if -(-end_pos // bs) > len(it.block_table):
                 raise ValueError(f"block table of {len(it.block_table)} blocks cannot hold {end_pos} tokens")
             bt = it.block_table
-            ctx = [bt[p // bs] * bs + p % bs for p in range(end_pos)]
             start = len(tokens)
             tokens.extend(it.token_ids)
             positions.extend(range(it.start_pos, end_pos))
-            slots.extend(ctx[it.start_pos:])
-            if n == 1:
-                decode_ctx.append(ctx)
+            if n == 1 and self.paged_decode:
+                # The kernel takes the block table as it is: no per-token slot list to build.
+                p = it.start_pos
+                slots.append(bt[p // bs] * bs + p % bs)
+                decode_tables.append(bt)
+                decode_lens.append(end_pos)
             else:
-                prefill_runs.append((start, start + n, it.start_pos, ctx))
+                ctx = [bt[p // bs] * bs + p % bs for p in range(end_pos)]
+                slots.extend(ctx[it.start_pos:])
+                if n == 1:
+                    decode_ctx.append(ctx)
+                else:
+                    prefill_runs.append((start, start + n, it.start_pos, ctx))
             last_index[i] = start + n - 1
-        meta = AttentionMetadata.build(slots, decode_ctx, prefill_runs, self.device, self.model.sliding_window)
+        meta = AttentionMetadata.build(slots, decode_ctx, prefill_runs, self.device, self.model.sliding_window,
+                                       decode_tables, decode_lens, bs)
         dev = self.device
         hidden = self.model.forward(
             torch.tensor(tokens, dtype=torch.long, device=dev),
