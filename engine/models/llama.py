@@ -131,11 +131,11 @@ class LlamaModel:
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.ln_in, self.eps)
             qkv = linear(h, L.wqkv, L.bqkv)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(T, H, D), cos, sin)
-            k = apply_rope(k.view(T, KVH, D), cos, sin)
+            # RoPE on q and k together: one set of elementwise ops over [T, H + KVH, D].
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D), cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :]
             kc, vc = kv.layer_slots(i)
-            a = paged_attention(q, k, v.view(T, KVH, D), kc, vc, meta)
+            a = paged_attention(qk[:, :H], qk[:, H:], v.view(T, KVH, D), kc, vc, meta)
             x = x + linear(a.reshape(T, H * D), L.wo, L.bo)
             h = rms_norm(x, L.ln_post, self.eps)
             gu = linear(h, L.wgu, L.bgu)
