@@ -41,8 +41,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 if numba is not None:
 
-    @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
-    def _decode_kernel(q, k_rows, v_rows, block_tables, ctx_start, ctx_end, block_size, kvh, scale,
+    def _decode_kernel_py(q, k_rows, v_rows, block_tables, ctx_start, ctx_end, block_size, kvh, scale,
                        out):  # pragma: no cover - compiled
         # q, out: [B * H, D]; k_rows/v_rows: the pool as [num_blocks * block_size * KVH, D] (row of
         # slot s, KV head h = s * KVH + h); block_tables: [B, max_blocks]; sequence b attends to
@@ -94,6 +93,15 @@ if numba is not None:
                     out[q0 + g, d] = acc[g, d]
 
 
+    # Two compilations of one body: across threads for real batches, and serial for small ones,
+    # where starting the thread team would cost more than the work (single-stream decode).
+    _decode_kernel = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_kernel_py)
+    _decode_kernel_serial = numba.njit(fastmath=True, cache=True, nogil=True)(_decode_kernel_py)
+
+# Below this many (context tokens x KV heads) in a step, the serial kernel runs.
+SERIAL_BELOW = 4096
+
+
 def set_threads(n: int) -> None:
     """Use ``n`` threads in the kernel (the engine passes torch's thread count)."""
     if numba is not None:
@@ -113,7 +121,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     nb, bs, kvh, _ = k_pool.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    _decode_kernel(q.view(B * H, D).numpy(), k_pool.view(nb * bs * kvh, D).numpy(),
+    kernel = _decode_kernel_serial if int(ctx_end.sum() - ctx_start.sum()) * kvh < SERIAL_BELOW else _decode_kernel
+    kernel(q.view(B * H, D).numpy(), k_pool.view(nb * bs * kvh, D).numpy(),
                    v_pool.view(nb * bs * kvh, D).numpy(), block_tables, ctx_start, ctx_end, bs, kvh,
                    np.float32(scale), out.view(B * H, D).numpy())
     return out

@@ -34,8 +34,10 @@ def reference(q, k_pool, v_pool, tables, start, end):
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("serial", [True, False], ids=["serial", "parallel"])
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (6, 6, None), (9, 3, 20)])
-def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, window):
+def test_kernel_matches_sdpa_over_scattered_blocks(heads, kv_heads, window, serial, monkeypatch):
+    monkeypatch.setattr(paged_decode, "SERIAL_BELOW", 1 << 30 if serial else 0)
     rng = random.Random(heads)
     bs, d, num_blocks = 4, 16, 200
     k_pool, v_pool = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
