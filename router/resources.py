@@ -41,7 +41,7 @@ def parse_resources(text: str, flag: str = "--resources") -> dict[str, float]:
     text = text.strip()
     if not text:
         return {}
-    if text.startswith("{"):
+    if text[0] in "{[\"":
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:

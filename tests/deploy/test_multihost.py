@@ -142,22 +142,8 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_model_dir) -> Path:
-    """A tiny random Llama with the default model's tokenizer (and so its vocabulary): actors
-    start and answer in a fraction of the default model's time."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    path = tmp_path_factory.mktemp("multihost-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
-    return path
+def model_dir(tiny_servable_model) -> Path:
+    return tiny_servable_model
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,122 @@
+"""Runtime scaling on one host: `pdserve scale` and the Admin.Scale RPC against a real router
+with real actors (a tiny random Llama, local Ray).
+
+Workers added under load join placement and serve; removed ones drain first, so no request is
+lost and greedy answers do not change. Bad requests get a precise gRPC status and change
+nothing: prefill workers for a colocated server, zero workers, resources no node has. The
+two-host version (disaggregated, roles pinned to hosts) is tests/deploy/test_multihost.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve import cli
+from pdserve.client import Client, RequestError
+from pdserve.router.admin import scale
+from pdserve.router.resources import RoleResources
+
+QUESTIONS = ["Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]
+GREEDY = dict(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def server(local_ray, tiny_servable_model):
+    import ray
+
+    from pdserve.decode_worker.worker import WorkerConfig
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_loader import load_tokenizer
+    from pdserve.router.scaling import ActorFactory
+    from pdserve.router.server import RouterConfig, start_in_thread
+
+    engine = EngineConfig(model=str(tiny_servable_model), threads=1, kv_cache_bytes=8 << 20, show_progress=False)
+    factory = ActorFactory({"colocated": WorkerConfig(engine=engine)}, {"colocated": RoleResources(0.25, 0.0)},
+                           name=f"scaletest{id(engine) % 10000}")
+    workers, _ = factory.start("colocated", 1)
+    router = start_in_thread(workers, load_tokenizer(str(tiny_servable_model)), RouterConfig(port=0),
+                             actor_factory=factory)
+    yield router, factory
+    router.stop()
+    for actor in factory.started:
+        ray.kill(actor)
+
+
+def test_bad_scale_requests_are_refused_and_change_nothing(server):
+    router, factory = server
+    cases = [
+        (dict(prefill=1), grpc.StatusCode.INVALID_ARGUMENT, "colocated mode"),
+        (dict(decode=0), grpc.StatusCode.INVALID_ARGUMENT, "at least 1"),
+        (dict(), grpc.StatusCode.INVALID_ARGUMENT, "set prefill and/or decode"),
+        (dict(decode=1, drain_timeout_s=-1), grpc.StatusCode.INVALID_ARGUMENT, "drain_timeout_s"),
+    ]
+    for kwargs, code, text in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            scale(router.address, timeout=30, **kwargs)
+        assert err.value.code() == code and text in err.value.details(), (kwargs, err.value.details())
+
+    # A worker no node can hold: refused at once, naming the resource.
+    saved = factory.resources["colocated"]
+    factory.resources["colocated"] = RoleResources(0.25, 0.0, {"no_such_node": 1})
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            scale(router.address, decode=2, timeout=30)
+    finally:
+        factory.resources["colocated"] = saved
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no node of the Ray cluster has no_such_node" in err.value.details()
+    with Client(router.address, timeout=30) as c:
+        assert c.server_info().num_decode_workers == 1
+
+
+def test_scale_up_and_down_under_load_loses_nothing(server, capsys):
+    router, factory = server
+    with Client(router.address, timeout=60) as c:
+        reference = [c.complete(messages=[{"role": "user", "content": q}], **GREEDY).token_ids for q in QUESTIONS]
+
+    results: list = []
+    stop = threading.Event()
+
+    def load(k: int) -> None:
+        with Client(router.address, timeout=60) as c:
+            i = k
+            while not stop.is_set():
+                q = i % len(QUESTIONS)
+                try:
+                    r = c.complete(messages=[{"role": "user", "content": QUESTIONS[q]}], **GREEDY)
+                    results.append((q, r.token_ids, r.finish_reason))
+                except RequestError as exc:
+                    results.append((q, None, f"{exc.code.name}: {exc.message}"))
+                i += 2
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        assert cli.main(["scale", "--decode", "2", "--address", router.address]) == 0
+        assert "1 prefill" not in capsys.readouterr().out  # colocated: 0 prefill workers
+        with Client(router.address, timeout=30) as c:
+            assert c.server_info().num_decode_workers == 2
+        new = f"{factory.name}-decode-s1-0"
+        assert new in router.server.pool.worker_names()
+        n_before = len(results)
+        end = time.monotonic() + 30
+        while len(results) < n_before + 6 and time.monotonic() < end:
+            time.sleep(0.1)
+        reply = scale(router.address, decode=1, timeout=120)
+        assert (reply.num_decode_workers, len(reply.removed), reply.num_requests_cut) == (1, 1, 0)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert len(router.server.pool.worker_names()) == 1
+    errors = [r for r in results if r[1] is None]
+    assert not errors, errors[:3]
+    assert len(results) >= 8
+    assert all(tokens == reference[q] for q, tokens, _ in results)
