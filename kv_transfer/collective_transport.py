@@ -31,7 +31,6 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from pdserve.internal import kv_transfer_pb2 as pb
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError
 from pdserve.kv_transfer.grpc_transport import GrpcKVReceiver, GrpcKVSender, GrpcTransfer
 from pdserve.kv_transfer.wire import _DTYPES, FrameHeader, checksum
@@ -80,7 +79,7 @@ class CollectiveKVReceiver(KVReceiver):
         with self._lock:
             self._groups[h.group] = group
 
-    def _fetch(self, h: FrameHeader, raw: bytes) -> torch.Tensor:
+    def _fetch(self, h: FrameHeader, raw: None) -> torch.Tensor:
         with self._lock:
             group = self._groups.get(h.group)
         if group is None:
@@ -110,9 +109,10 @@ class CollectiveKVReceiver(KVReceiver):
 class _Pair:
     """The prefill side's process group with one decode actor."""
 
-    def __init__(self, name: str, group) -> None:
+    def __init__(self, name: str, group, backend: str) -> None:
         self.name = name
         self.group = group
+        self.backend = backend
         self.tags = itertools.count(1)
         self.lock = threading.Lock()
         self.broken = False
@@ -128,19 +128,31 @@ class CollectiveTransfer(GrpcTransfer):
     def __init__(self, stub, request_id: str, timeout_s: float, pair: _Pair) -> None:
         self.pair = pair
         self._works: list = []
+        self._send_error: str | None = None  # a send that failed (peer gone): ``finish`` reports it
         super().__init__(stub, request_id, timeout_s)
 
-    def _frame(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> pb.KvFrame:
-        data = data.contiguous()
+    def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list[bytes]:
+        if self._send_error is not None:
+            return []  # the transfer already failed: nothing more leaves
+        data = data.contiguous()  # the one packed staging buffer of this piece (a copy of a strided view)
         tag = self.pair.next_tag()
         header = FrameHeader(self.request_id, i, (layers.start, layers.stop), list(block_ids),
                              str(data.dtype).removeprefix("torch."), tuple(data.shape), checksum(data),
                              data.numel() * data.element_size(), group=self.pair.name, tag=tag)
         # Posted before the header leaves: the receiver posts the matching recv when it reads it.
-        self._works.append((self.pair.group.send([data], 0, tag), data))
-        return pb.KvFrame(header=header.pack())
+        try:
+            self._works.append((self.pair.group.send([data], 0, tag), data))
+        except RuntimeError as exc:  # the peer is gone: ``send`` never raises, ``finish`` does
+            self.pair.broken = True
+            self._send_error = f"send over {self.pair.backend} failed: {exc}"
+            return []
+        return [header.pack()]
 
     def finish(self, first_token: int, first_logprob: float | None = None) -> int:
+        if self._send_error is not None:
+            super().abort(self._send_error)
+            self._works.clear()
+            raise TransferError(f"KV transfer of {self.request_id} failed: {self._send_error}")
         try:
             return super().finish(first_token, first_logprob)
         except TransferError:
@@ -188,15 +200,13 @@ class CollectiveKVSender(KVSender):
 
             t = threading.Thread(target=join_self, daemon=True)
             t.start()
-            ack = self._grpc._stub(control).Push(
-                iter([pb.KvFrame(header=FrameHeader("", 0, join=True, group=name, store=name).pack())]),
-                timeout=self.timeout_s,
-            )
+            ack = self._grpc._stub(control)(
+                iter([FrameHeader("", 0, join=True, group=name, store=name).pack()]), timeout=self.timeout_s)
             t.join(self.timeout_s)
             if not ack.ok or "group" not in result:
                 raise TransferError(f"could not set up a {self.backend} group with {control}: "
                                     f"{ack.error or result.get('error', 'timed out')}")
-            pair = _Pair(name, result["group"])
+            pair = _Pair(name, result["group"], self.backend)
             self._pairs[destination] = pair
             return pair
 

@@ -4,7 +4,15 @@ The decode actor runs a ``GrpcKVReceiver`` (a gRPC server on its own port); pref
 ``Push`` stream to it per request, send frames of about 1-4 MB as layers are computed, and get one
 acknowledgement at the end. Message size limits are explicit on both sides (a piece larger than
 ``MAX_FRAME_BYTES`` is split into several frames along its blocks, then its layers), every stream
-has a deadline, and every frame's CRC32 is checked before its bytes touch the KV cache.
+has a deadline, and every frame's checksum is checked before its bytes touch the KV cache.
+
+The stream's messages are raw bytes, not protobuf: a frame is a msgpack header message followed,
+when the header says ``inline``, by one message holding the piece's bytes exactly as they land in
+the KV cache. So the data is copied once on the sender (strided view -> ``bytes``, in ``send``, on
+the caller's thread, overlapping the previous frame's trip through gRPC) and not at all on the
+receiver before the write into the reserved blocks; protobuf would add a copy on each side to
+build, serialize and parse a message around megabytes that it does not look into. Only the
+acknowledgement is a protobuf message (``PushAck``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,6 @@ import grpc
 import torch
 
 from pdserve.internal import kv_transfer_pb2 as pb
-from pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
 from pdserve.kv_transfer.wire import FrameHeader, decode_piece, encode_piece
 
@@ -28,16 +35,19 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_FRAME_BYTES = 4 << 20  # larger pieces are split: well under the message limit, and streamed
 REQUEST_ID_KEY = "pdserve-request-id"  # call metadata: which request a Push stream carries
+SERVICE = "pdserve.internal.KvTransfer"
+PUSH_METHOD = f"/{SERVICE}/Push"  # client stream of raw-bytes messages -> PushAck
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
 
-class _Servicer(pb_grpc.KvTransferServicer):
+class _Servicer:
     """Lands frames into a sink. ``fetch(header, data_bytes)`` returns a piece's verified tensor
-    (from the frame itself by default; the collective transport receives it from a process group),
-    ``on_join(header)`` answers control frames that set up a process group."""
+    (from the frame's data message by default; the collective transport receives it from a process
+    group, and its headers have no data message), ``on_join(header)`` answers control frames that
+    set up a process group."""
 
     def __init__(self, sink: KVSink, fetch=None, on_join=None) -> None:
         self.sink = sink
@@ -52,8 +62,8 @@ class _Servicer(pb_grpc.KvTransferServicer):
         nbytes = 0
         start = time.time()
         try:
-            for frame in request_iterator:
-                h = FrameHeader.unpack(frame.header)
+            for message in request_iterator:
+                h = FrameHeader.unpack(message)
                 if h.join:
                     if self.on_join is None:
                         raise ValueError("this receiver does not take process-group frames")
@@ -70,7 +80,12 @@ class _Servicer(pb_grpc.KvTransferServicer):
                     return pb.PushAck(ok=True, bytes_received=nbytes)
                 if h.i != frames:
                     raise ValueError(f"frame {h.i} arrived where frame {frames} was expected")
-                data = self.fetch(h, frame.data)
+                raw = None
+                if h.inline:
+                    raw = next(request_iterator, None)
+                    if raw is None:
+                        raise ValueError(f"the stream ended inside frame {h.i} (sender gone or cancelled)")
+                data = self.fetch(h, raw)
                 self.sink.write_kv(rid, range(*h.layers), list(h.blocks), data)
                 frames += 1
                 nbytes += h.n
@@ -94,7 +109,10 @@ class GrpcKVReceiver(KVReceiver):
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  max_workers: int = 16, fetch=None, on_join=None) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_CHANNEL_OPTIONS)
-        pb_grpc.add_KvTransferServicer_to_server(_Servicer(sink, fetch, on_join), self._server)
+        servicer = _Servicer(sink, fetch, on_join)
+        handler = grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=None, response_serializer=pb.PushAck.SerializeToString)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
         self._port = self._server.add_insecure_port(f"{host}:{port}")
         if self._port == 0:
             raise RuntimeError(f"KV receiver could not bind {host}:{port}")
@@ -131,21 +149,21 @@ def split_piece(layers: range, block_ids: list[int], data: torch.Tensor, limit: 
 
 
 class GrpcTransfer(Transfer):
-    def __init__(self, stub: pb_grpc.KvTransferStub, request_id: str, timeout_s: float) -> None:
+    def __init__(self, push, request_id: str, timeout_s: float) -> None:
         self.request_id = request_id
         self.state = TransferState.OPEN
         self._q: queue.Queue = queue.Queue()
         self._frames = 0
         self._bytes = 0
-        # Frames are encoded (bytes + CRC) in gRPC's sending thread, off the compute thread.
-        self._future = stub.Push.future(self._iter(), timeout=timeout_s, metadata=((REQUEST_ID_KEY, request_id),))
+        # gRPC's sending thread only ships the ready messages that ``send`` queued.
+        self._future = push.future(self._iter(), timeout=timeout_s, metadata=((REQUEST_ID_KEY, request_id),))
 
     def _iter(self):
         while True:
             item = self._q.get()
             if item is _END:
                 return
-            yield item()
+            yield item
 
     def send(self, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
         if self.state in (TransferState.DONE, TransferState.FAILED):
@@ -155,17 +173,19 @@ class GrpcTransfer(Transfer):
         for sub_layers, sub_blocks, sub_data in split_piece(layers, list(block_ids), data, MAX_FRAME_BYTES):
             i = self._frames
             self._frames += 1
-            self._q.put(lambda i=i, l=sub_layers, b=sub_blocks, d=sub_data: self._frame(i, l, b, d))
+            for message in self._messages(i, sub_layers, sub_blocks, sub_data):
+                self._q.put(message)
 
-    def _frame(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> pb.KvFrame:
-        """Build frame ``i`` (runs in gRPC's sending thread)."""
+    def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list[bytes]:
+        """The stream messages of frame ``i``: its header, then its bytes (one copy, on the caller's
+        thread: it overlaps gRPC shipping the frames before it)."""
         header, raw = encode_piece(self.request_id, i, layers, block_ids, data)
-        return pb.KvFrame(header=header.pack(), data=raw)
+        return [header.pack(), raw]
 
     def finish(self, first_token: int, first_logprob: float | None = None) -> int:
         last = FrameHeader(self.request_id, self._frames, last=True, frames=self._frames,
                            token=first_token, logprob=first_logprob)
-        self._q.put(lambda: pb.KvFrame(header=last.pack()))
+        self._q.put(last.pack())
         self._q.put(_END)
         try:
             ack = self._future.result()
@@ -198,16 +218,18 @@ class GrpcKVSender(KVSender):
     name = "grpc"
 
     def __init__(self) -> None:
-        self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
+        self._stubs: dict[str, grpc.StreamUnaryMultiCallable] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
-    def _stub(self, destination: str) -> pb_grpc.KvTransferStub:
+    def _stub(self, destination: str) -> grpc.StreamUnaryMultiCallable:
+        """The ``Push`` call of ``destination``: raw-bytes requests, a ``PushAck`` back."""
         with self._lock:
             if destination not in self._stubs:
                 ch = grpc.insecure_channel(destination, options=_CHANNEL_OPTIONS)
                 self._channels.append(ch)
-                self._stubs[destination] = pb_grpc.KvTransferStub(ch)
+                self._stubs[destination] = ch.stream_unary(PUSH_METHOD, request_serializer=None,
+                                                           response_deserializer=pb.PushAck.FromString)
             return self._stubs[destination]
 
     def open(self, request_id: str, destination: str, num_layers: int, num_blocks: int, timeout_s: float) -> Transfer:

@@ -24,17 +24,13 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/internal/kv_transfer.proto\x12\x10pdserve.internal\"\'\n\x07KvFrame\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"<\n\x07PushAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x32L\n\nKvTransfer\x12>\n\x04Push\x12\x19.pdserve.internal.KvFrame\x1a\x19.pdserve.internal.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/internal/kv_transfer.proto\x12\x10pdserve.internal\"<\n\x07PushAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.internal.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVFRAME']._serialized_start=56
-  _globals['_KVFRAME']._serialized_end=95
-  _globals['_PUSHACK']._serialized_start=97
-  _globals['_PUSHACK']._serialized_end=157
-  _globals['_KVTRANSFER']._serialized_start=159
-  _globals['_KVTRANSFER']._serialized_end=235
+  _globals['_PUSHACK']._serialized_start=56
+  _globals['_PUSHACK']._serialized_end=116
 # @@protoc_insertion_point(module_scope)

@@ -4,14 +4,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class KvFrame(_message.Message):
-    __slots__ = ("header", "data")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    header: bytes
-    data: bytes
-    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
-
 class PushAck(_message.Message):
     __slots__ = ("ok", "error", "bytes_received")
     OK_FIELD_NUMBER: _ClassVar[int]

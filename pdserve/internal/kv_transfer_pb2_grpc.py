@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from pdserve.internal import kv_transfer_pb2 as pdserve_dot_internal_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -23,77 +22,3 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
-
-
-class KvTransferStub:
-    """Missing associated documentation comment in .proto file."""
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.Push = channel.stream_unary(
-                '/pdserve.internal.KvTransfer/Push',
-                request_serializer=pdserve_dot_internal_dot_kv__transfer__pb2.KvFrame.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_kv__transfer__pb2.PushAck.FromString,
-                _registered_method=True)
-
-
-class KvTransferServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Push(self, request_iterator, context):
-        """A client stream of frames for one request; the answer comes once the decode side holds the
-        whole KV (verified) or has rejected it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_KvTransferServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'Push': grpc.stream_unary_rpc_method_handler(
-                    servicer.Push,
-                    request_deserializer=pdserve_dot_internal_dot_kv__transfer__pb2.KvFrame.FromString,
-                    response_serializer=pdserve_dot_internal_dot_kv__transfer__pb2.PushAck.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.internal.KvTransfer', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.internal.KvTransfer', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class KvTransfer:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Push(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/pdserve.internal.KvTransfer/Push',
-            pdserve_dot_internal_dot_kv__transfer__pb2.KvFrame.SerializeToString,
-            pdserve_dot_internal_dot_kv__transfer__pb2.PushAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
