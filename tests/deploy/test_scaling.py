@@ -120,3 +120,52 @@ def test_scale_up_and_down_under_load_loses_nothing(server, capsys):
     assert not errors, errors[:3]
     assert len(results) >= 8
     assert all(tokens == reference[q] for q, tokens, _ in results)
+
+
+LONG = dict(max_tokens=300, temperature=0, ignore_eos=True)
+
+
+def start_long_requests(address: str, n: int) -> tuple[list, list[threading.Thread]]:
+    out: list = []
+
+    def one() -> None:
+        with Client(address, timeout=120) as c:
+            try:
+                r = c.complete(prompt="Count: one, two, three,", **LONG)
+                out.append((r.finish_reason, r.completion_tokens))
+            except RequestError as exc:
+                out.append((exc.code.name, exc.message))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return out, threads
+
+
+def wait_until_every_worker_is_busy(router, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        loads = router.server.pool.loads()
+        if len(loads) == 2 and all(l.inflight > 0 for l in loads):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the two requests did not spread over the two workers: {router.server.pool.loads()}")
+
+
+@pytest.mark.parametrize("drain_timeout,cut", [(120.0, 0), (0.0, 1)], ids=["drains", "drain-timeout-cuts"])
+def test_scale_down_waits_for_running_requests_up_to_the_drain_timeout(server, drain_timeout, cut):
+    router, _ = server
+    assert scale(router.address, decode=2, timeout=120).num_decode_workers == 2
+    out, threads = start_long_requests(router.address, 2)
+    try:
+        wait_until_every_worker_is_busy(router)  # so the worker removed has a request running
+        reply = scale(router.address, decode=1, drain_timeout_s=drain_timeout, timeout=180)
+        assert (reply.num_decode_workers, len(reply.removed), reply.num_requests_cut) == (1, 1, cut)
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+    finished = [o for o in out if o == ("length", LONG["max_tokens"])]
+    failed = [o for o in out if o[0] == "UNAVAILABLE"]
+    assert (len(finished), len(failed)) == (2 - cut, cut), out
+    assert all("was scaled away before this request finished" in msg for _, msg in failed)
+    assert len(router.server.pool.worker_names()) == 1
