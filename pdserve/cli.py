@@ -251,7 +251,8 @@ def _check_resources(args: argparse.Namespace, strict: bool) -> str | None:
         if need > have.get(kind, 0) + 1e-9:
             message = (f"the workers ask for {need:g} {kind}s in all but the Ray cluster has "
                        f"{have.get(kind, 0):g}; lower --decode-{kind.lower()}s/--prefill-{kind.lower()}s "
-                       "(fractions are fine, e.g. 0.5) or the number of workers")
+                       f"({kind} in --decode-resources/--prefill-resources; fractions are fine, e.g. 0.5) "
+                       "or the number of workers")
             if strict:
                 return message
             logger.warning("%s (waiting for the cluster to grow)", message)
