@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import types
 
 import numpy as np
 import torch
@@ -95,8 +96,13 @@ if numba is not None:
 
     # Two compilations of one body: across threads for real batches, and serial for small ones,
     # where starting the thread team would cost more than the work (single-stream decode).
+    # Numba's disk cache keys a function by its name and line, not by the compile flags, so the
+    # serial variant is compiled from a renamed copy of the function (else each would load the other).
     _decode_kernel = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_kernel_py)
-    _decode_kernel_serial = numba.njit(fastmath=True, cache=True, nogil=True)(_decode_kernel_py)
+    _serial_py = types.FunctionType(
+        _decode_kernel_py.__code__.replace(co_name="_decode_kernel_serial", co_qualname="_decode_kernel_serial"),
+        _decode_kernel_py.__globals__, "_decode_kernel_serial")
+    _decode_kernel_serial = numba.njit(fastmath=True, cache=True, nogil=True)(_serial_py)
 
 # Below this many (context tokens x KV heads) in a step, the serial kernel runs.
 SERIAL_BELOW = 4096
@@ -121,7 +127,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     nb, bs, kvh, _ = k_pool.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    kernel = _decode_kernel_serial if int(ctx_end.sum() - ctx_start.sum()) * kvh < SERIAL_BELOW else _decode_kernel
+    kernel = _decode_kernel_serial if int((ctx_end - ctx_start).sum()) * kvh < SERIAL_BELOW else _decode_kernel
     kernel(q.view(B * H, D).numpy(), k_pool.view(nb * bs * kvh, D).numpy(),
                    v_pool.view(nb * bs * kvh, D).numpy(), block_tables, ctx_start, ctx_end, bs, kvh,
                    np.float32(scale), out.view(B * H, D).numpy())
