@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--address", default=None, metavar="RAY_ADDRESS",
                    help="run the servers on this Ray cluster (default: a local Ray started for the test)")
     _add_common(cmp_p, default_out="loadtest-compare")
+    rep_p = sub.add_parser("report", help="recompute a report from its results.json, e.g. under other SLOs",
+                           description="Read the results.json of an earlier run or compare and write its report "
+                           "again (Markdown, JSON, PNGs) with the SLOs given here: every request's "
+                           "measurements are in the file, so goodput under any SLO needs no new run.")
+    rep_p.add_argument("results", metavar="RESULTS", help="a results.json, or the folder that holds it")
+    _add_slo_and_output(rep_p, default_out=None)
     p.set_defaults(loadtest_parser=p)
 
 
@@ -91,6 +97,10 @@ def _add_common(p: argparse.ArgumentParser, default_out: str) -> None:
     r.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="deadline per request (default 600)")
     r.add_argument("--warmup", type=int, default=2, metavar="N",
                    help="short unmeasured requests sent before each run (default 2)")
+    _add_slo_and_output(p, default_out)
+
+
+def _add_slo_and_output(p: argparse.ArgumentParser, default_out: str | None) -> None:
     s = p.add_argument_group("SLOs (goodput counts the requests that meet every one given)")
     s.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS", help="time to first token")
     s.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
@@ -102,7 +112,8 @@ def _add_common(p: argparse.ArgumentParser, default_out: str) -> None:
                    help="a rate 'meets the SLO' when at least this share of requests does (default 0.9)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=default_out, metavar="DIR",
-                   help=f"folder for report.md, results.json and the PNGs (default {default_out})")
+                   help="folder for report.md, results.json and the PNGs (default "
+                   + (default_out or "the folder of the results read") + ")")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -153,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if args.loadtest_command is None:
         args.loadtest_parser.print_help()
         return 2
+    if args.loadtest_command == "report":
+        return _cmd_report(args)
     try:
         slo, workload, schedule, options = _setup(args)
         specs = build_workload(workload)
@@ -176,23 +189,13 @@ def _setup(args):
         raise ValueError("--trace is for --workload trace")
     if args.arrival == "gamma" and not args.burstiness > 0:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
-    if not 0 < args.slo_itl_percentile <= 100:
-        raise ValueError(f"--slo-itl-percentile must be in (0, 100], got {args.slo_itl_percentile}")
-    if not 0 < args.slo_attainment <= 1:
-        raise ValueError(f"--slo-attainment must be in (0, 1], got {args.slo_attainment}")
     if not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    for flag in ("slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms"):
-        v = getattr(args, flag)
-        if v is not None and not v > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {v}")
-    ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-    slo = SLO(ttft_s=ms(args.slo_ttft_ms), itl_s=ms(args.slo_itl_ms), tpot_s=ms(args.slo_tpot_ms),
-              itl_quantile=args.slo_itl_percentile)
+    slo = _slo(args)
     workload = WorkloadConfig(kind=args.workload, num_requests=args.num_requests, prompt_tokens=args.prompt_tokens,
                               output_tokens=args.output_tokens, long_prompt_tokens=args.long_prompt_tokens,
                               long_share=args.long_share, trace=args.trace, seed=args.seed)
@@ -201,6 +204,20 @@ def _setup(args):
     options = RunOptions(temperature=args.temperature, ignore_eos=not args.stop_at_eos, timeout_s=args.timeout,
                          warmup=args.warmup)
     return slo, workload, schedule, options
+
+
+def _slo(args) -> SLO:
+    if not 0 < args.slo_itl_percentile <= 100:
+        raise ValueError(f"--slo-itl-percentile must be in (0, 100], got {args.slo_itl_percentile}")
+    if not 0 < args.slo_attainment <= 1:
+        raise ValueError(f"--slo-attainment must be in (0, 1], got {args.slo_attainment}")
+    for flag in ("slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms"):
+        v = getattr(args, flag)
+        if v is not None and not v > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {v}")
+    ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+    return SLO(ttft_s=ms(args.slo_ttft_ms), itl_s=ms(args.slo_itl_ms), tpot_s=ms(args.slo_tpot_ms),
+               itl_quantile=args.slo_itl_percentile)
 
 
 def _meta(args, workload: WorkloadConfig, schedule) -> dict:
@@ -286,6 +303,22 @@ def _cmd_compare(args, specs, slo, schedule, options, meta) -> int:
         print("pdserve loadtest: interrupted; the servers it started are stopped", file=sys.stderr)
         return 130
     meta["load average after"] = _loadavg()
+    return _finish(args, meta, modes, slo)
+
+
+def _cmd_report(args) -> int:
+    from pdserve.loadtest.report import JSON_NAME, ResultsError, read_results
+
+    try:
+        slo = _slo(args)
+        path = Path(args.results)
+        path = path / JSON_NAME if path.is_dir() else path
+        meta, modes = read_results(path, slo)
+    except (ValueError, ResultsError) as exc:
+        return _fail(str(exc), 2)
+    meta["recomputed"] = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from {path} "
+                          "with the SLO below")
+    args.out = args.out or str(path.parent)
     return _finish(args, meta, modes, slo)
 
 

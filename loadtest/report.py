@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
-from pdserve.loadtest.driver import RunResult
+from pdserve.loadtest.driver import ClientLag, RequestResult, RunResult
 from pdserve.loadtest.stats import SLO, RunStats, run_stats
 
 MD_NAME, JSON_NAME, CDF_PNG, RATE_PNG = "report.md", "results.json", "latency_cdf.png", "vs_rate.png"
@@ -93,7 +93,8 @@ def highest_rate_meeting(mode: ModeResult, attainment: float) -> float | None:
 
 def markdown(meta: dict, modes: list[ModeResult], slo: SLO, attainment: float = 0.9) -> str:
     lines = ["# pdserve load test", ""]
-    for key in ("date", "machine", "command", "workload", "arrivals", "load average before", "load average after"):
+    for key in ("date", "machine", "command", "workload", "arrivals", "load average before", "load average after",
+                "recomputed"):
         if key in meta:
             value = meta[key]
             lines.append(f"- {key}: `{value}`" if key == "command" else f"- {key}: {value}")
@@ -164,6 +165,7 @@ def plot(modes: list[ModeResult], out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]
@@ -212,6 +214,9 @@ def plot(modes: list[ModeResult], out_dir: Path) -> list[Path]:
     axes[1].set_title("p99 inter-token latency")
     axes[1].set_ylabel("seconds (log scale)")
     axes[1].set_yscale("log")
+    axes[1].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_plain))
+    axes[1].yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, pos: _plain(v, pos) if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
     for ax in axes:
         ax.set_xlabel("offered request rate (requests/s)")
         ax.grid(True, which="both", alpha=0.3)
@@ -221,6 +226,10 @@ def plot(modes: list[ModeResult], out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def _plain(v: float, _pos=None) -> str:
+    return f"{v:g}"
 
 
 def write_report(out_dir: str | Path, meta: dict, modes: list[ModeResult], slo: SLO,
@@ -234,6 +243,33 @@ def write_report(out_dir: str | Path, meta: dict, modes: list[ModeResult], slo: 
                                             default=_json_default), encoding="utf-8")
     cdf, rate = plot(modes, out)
     return {"markdown": out / MD_NAME, "json": out / JSON_NAME, "cdf_png": cdf, "rate_png": rate}
+
+
+class ResultsError(ValueError):
+    """A results.json that cannot be read back (the message names the file and the problem)."""
+
+
+def read_results(path: str | Path, slo: SLO) -> tuple[dict, list[ModeResult]]:
+    """The meta data and modes of a ``results.json``, with their statistics recomputed under ``slo``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        request_fields = {f.name for f in fields(RequestResult)}
+        modes = []
+        for name, mode in data["modes"].items():
+            runs = [RunResult(rate=run["rate"], duration_s=run["duration_s"], client=ClientLag(**run["client"]),
+                              results=[RequestResult(**{k: v for k, v in r.items() if k in request_fields})
+                                       for r in run["requests"]])
+                    for run in mode["runs"]]
+            modes.append(ModeResult(name, mode["config"], mode["server"], runs, [run_stats(r, slo) for r in runs]))
+        meta = dict(data["meta"])
+    except OSError as exc:
+        raise ResultsError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ResultsError(f"{path} is not the results.json of a pdserve load test ({type(exc).__name__}: {exc})") from None
+    if not modes:
+        raise ResultsError(f"{path} holds no runs")
+    return meta, modes
 
 
 def _json_default(obj):

@@ -56,6 +56,22 @@ def test_run_against_a_server_writes_a_one_mode_report(echo_target, tmp_path, ca
     assert "gamma (burstiness 0.5) at 50, 100 req/s" in printed and "TTFT <= 1000 ms" in printed
     assert (out / "latency_cdf.png").exists() and (out / "vs_rate.png").exists()
 
+    # `report` recomputes the same statistics from the file, and others under another SLO.
+    again = tmp_path / "again"
+    assert main(["loadtest", "report", str(out), "--slo-ttft-ms", "1000", "--out", str(again)]) == 0
+    redone = json.loads((again / "results.json").read_text())
+    (mode2,) = redone["modes"].values()
+    assert [run["stats"] for run in mode2["runs"]] == [run["stats"] for run in mode["runs"]]
+    assert "recomputed" in redone["meta"] and redone["meta"]["command"] == data["meta"]["command"]
+    assert main(["loadtest", "report", str(out / "results.json"), "--slo-ttft-ms", "0.001"]) == 0
+    strict = json.loads((out / "results.json").read_text())  # written back next to the results read
+    assert all(run["stats"]["goodput"] == 0 for m in strict["modes"].values() for run in m["runs"])
+    assert all(run["stats"]["goodput"] > 0 for run in mode["runs"])
+    assert exit_status(["loadtest", "report", str(tmp_path / "nothing")]) == 2
+    (tmp_path / "bad.json").write_text("{}")
+    assert exit_status(["loadtest", "report", str(tmp_path / "bad.json")]) == 2
+    assert "is not the results.json of a pdserve load test" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-tokens", "9:3"], "low <= high"),
