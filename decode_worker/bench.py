@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from pdserve.engine.memory import describe_peak, peak_memory_bytes
+
 QUICK = dict(num_requests=8, prompt_len=(16, 64), output_len=(8, 32), hf_batch_size=4, matmul_size=1024)
 FULL = dict(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), hf_batch_size=16, matmul_size=2048)
 
@@ -162,12 +164,14 @@ def run_pdserve(model: str, threads: int, work: list[tuple[list[int], int]], num
         outputs, calls = drive(requests("r", work))
         wall = time.perf_counter() - start
         after = ray.get(worker.counters.remote())
+        stats = ray.get(worker.stats.remote())
     finally:
         ray.kill(worker)
     delta = {k: getattr(after, k) - getattr(before, k) for k in vars(after)}
     return {"wall_s": wall, "outputs": [outputs[f"r-{i}"] for i in range(len(work))],
             "next_outputs_calls": calls, "counters": delta, "num_blocks": info["num_blocks"],
-            "block_size": info["block_size"], "scheduler": vars(sched)}
+            "block_size": info["block_size"], "scheduler": vars(sched),
+            "peak_memory_bytes": stats.peak_memory_bytes, "device": stats.device}
 
 
 # ---- Hugging Face --------------------------------------------------------------------------------
@@ -259,6 +263,7 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     pad = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
     theirs = run_hf(hf_model, work, hf_batch_size, pad)
+    hf_peak = peak_memory_bytes("cpu")  # this process: HF's model and batches (pdserve ran in its actor)
     params, prefill_flops, decode_flops = flops_per_token(hf_model)
     del hf_model
     rates.append(matmul_flops_per_s(shape["matmul_size"]))
@@ -297,6 +302,7 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
             "kv_blocks": ours["num_blocks"], "block_size": ours["block_size"],
             "max_num_seqs": ours["scheduler"]["max_num_seqs"],
             "max_num_batched_tokens": ours["scheduler"]["max_num_batched_tokens"],
+            "peak_memory_bytes": ours["peak_memory_bytes"], "device": ours["device"],
             "prefill": {
                 "tokens": c["prefill_tokens"],
                 "step_seconds": round(c["prefill_step_s"], 3),
@@ -311,7 +317,8 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
                 "fraction_of_compute_bound": round(decode_rate * decode_flops / rate, 4),
             },
         },
-        "hf": {**side(theirs), "batch_size": hf_batch_size, "generated_tokens": theirs["generated_tokens"]},
+        "hf": {**side(theirs), "batch_size": hf_batch_size, "generated_tokens": theirs["generated_tokens"],
+               "peak_memory_bytes": hf_peak},
         "ratio": {
             "output_tokens_per_s": round(theirs["wall_s"] / ours["wall_s"], 3),
             "total_tokens_per_s": round(theirs["wall_s"] / ours["wall_s"], 3),
@@ -361,4 +368,7 @@ def format_table(r: dict) -> str:
         f"outputs identical to HF's: {r['outputs_identical_to_hf']} of {w['num_requests']} requests "
         "(padded batches can differ from unpadded ones by float rounding)",
     ]
+    if "peak_memory_bytes" in o:
+        lines.append(f"peak memory: pdserve actor {describe_peak(o['peak_memory_bytes'], o['device'])}, "
+                     f"HF process {describe_peak(h['peak_memory_bytes'])}")
     return "\n".join(lines)

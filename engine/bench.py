@@ -13,6 +13,7 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.memory import describe_peak, peak_memory_bytes
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.offline import generate
 from pdserve.engine.sampling_params import SamplingParams
@@ -161,6 +162,8 @@ def measure(model: str = "default", threads: int = 2, rounds: int = 3, decode_pr
             }
             for n, (o, h) in prefill.items()
         },
+        # One process runs both engines: its peak holds pdserve's weights and KV pool and HF's model.
+        "peak_memory": {"device": runner.device.type, "bytes": peak_memory_bytes(runner.device)},
     }
     return result
 
@@ -186,6 +189,10 @@ def format_table(r: dict) -> str:
         f"{b['read_bound_tokens_per_s']:.2f} tok/s; pdserve at {100 * b['pdserve_fraction_of_read_bound']:.1f}%)"
     )
     lines.append(f"greedy tokens identical to HF: {d['greedy_tokens_identical']}")
+    if "peak_memory" in r:
+        m = r["peak_memory"]
+        lines.append(f"peak memory of this process (pdserve engine and HF model together): "
+                     f"{describe_peak(m['bytes'], m['device'])}")
     return "\n".join(lines)
 
 

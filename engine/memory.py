@@ -28,3 +28,8 @@ def peak_memory_bytes(device: str | torch.device = "cpu") -> int:
         return int(torch.cuda.max_memory_allocated(dev))
     return peak_rss_bytes()
 
+
+def describe_peak(nbytes: int, device: str = "cpu") -> str:
+    """``"412 MiB (peak RSS)"`` or ``"1536 MiB (CUDA max allocated)"``, for benchmark tables."""
+    what = "CUDA max allocated" if device == "cuda" else "peak RSS"
+    return f"{nbytes / 2**20:.0f} MiB ({what})"

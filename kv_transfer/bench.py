@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from pdserve.engine.memory import describe_peak
+
 # The transports measured, in order: name -> (module, receiver class). The sender side is
 # ``prefill_worker.worker.make_sender(name)``. A new transport adds one line here.
 TRANSPORTS: dict[str, tuple[str, str]] = {
@@ -303,7 +305,8 @@ def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[
 
 
 def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[int], rounds: int,
-                 vocab_size: int) -> list[dict]:
+                 vocab_size: int, peaks: dict | None = None) -> list[dict]:
+    """TTFT rows; ``peaks`` (if given) gets each worker actor's peak memory (``WorkerStats``)."""
     from pdserve.decode_worker.messages import WorkerRequest
     from pdserve.decode_worker.worker import WorkerConfig, start_workers
     from pdserve.engine.config import EngineConfig
@@ -374,6 +377,10 @@ def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[i
             rows.append({"prompt_tokens": n, "prompts": rounds, "colocated_s": round(c, 6),
                          "disaggregated_s": round(d, 6), "overhead_pct": round(100 * (d - c) / c, 1),
                          "kv_stream_s": round(statistics.median(stream), 6)})
+        if peaks is not None:
+            for role, a in (("colocated", colocated), ("decode", decode), ("prefill", prefill)):
+                s = ray.get(a.stats.remote())
+                peaks[role] = {"device": s.device, "bytes": s.peak_memory_bytes}
     finally:
         for a in (colocated, decode, prefill):
             ray.kill(a)
@@ -417,7 +424,9 @@ def run_bench(model: str = "default", threads: int = 2, rounds: int | None = Non
                  log_to_driver=False, configure_logging=False)
     try:
         transfer_rows = measure_transfer(ray, geo, prompt_tokens, transports, rounds, frame_bytes)
-        ttft_rows = measure_ttft(ray, str(model_dir), threads, geo, prompt_tokens, rounds, cfg.vocab_size) if ttft else []
+        peaks: dict = {}
+        ttft_rows = (measure_ttft(ray, str(model_dir), threads, geo, prompt_tokens, rounds, cfg.vocab_size, peaks)
+                     if ttft else [])
     finally:
         if started_ray:
             ray.shutdown()
@@ -433,6 +442,7 @@ def run_bench(model: str = "default", threads: int = 2, rounds: int | None = Non
         "frame_bytes": frame_bytes,
         "transfer": transfer_rows,
         "ttft": ttft_rows,
+        "peak_memory": peaks,  # per worker actor of the TTFT runs
     }
 
 
@@ -455,4 +465,7 @@ def format_table(r: dict) -> str:
             lines.append(f"{'median of %d prompts' % row['prompts']:<30}{row['prompt_tokens']:>8}"
                          f"{row['colocated_s']:>13.4f}{row['disaggregated_s']:>11.4f}"
                          f"{row['overhead_pct']:>9.1f}%{row['kv_stream_s']:>13.4f}")
+    if r.get("peak_memory"):
+        lines.append("peak memory per actor: " + ", ".join(
+            f"{role} {describe_peak(m['bytes'], m['device'])}" for role, m in r["peak_memory"].items()))
     return "\n".join(lines)

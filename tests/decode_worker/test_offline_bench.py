@@ -33,3 +33,5 @@ def test_bench_offline_quick_reports_every_figure(ray_cluster, actors, tiny, one
     assert r["hf"]["generated_tokens"] >= w["output_tokens"]
     assert r["outputs_identical_to_hf"] == 6  # the tiny model's argmax is stable, even padded
     assert ray_cluster.is_initialized()  # it used the running Ray and left it running
+    # Peak memory: the pdserve actor's process and this (HF) process, peak RSS (torch alone is > 100 MB).
+    assert o["device"] == "cpu" and o["peak_memory_bytes"] > 100e6 and r["hf"]["peak_memory_bytes"] > 100e6

@@ -37,6 +37,10 @@ def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, ca
         assert row["kv_stream_s"] > 0
         expected = 100 * (row["disaggregated_s"] - row["colocated_s"]) / row["colocated_s"]
         assert abs(row["overhead_pct"] - expected) < 1.0
+    # Each worker actor's peak memory: its process's peak RSS on CPU (torch alone is > 100 MB).
+    assert {role: m["device"] for role, m in r["peak_memory"].items()} == dict.fromkeys(
+        ("colocated", "decode", "prefill"), "cpu")
+    assert all(m["bytes"] > 100e6 for m in r["peak_memory"].values())
 
 
 def test_bench_transfer_is_registered_in_the_cli():

@@ -415,3 +415,34 @@ def test_prometheus_example_scrapes_the_router():
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     targets = [t for sc in jobs["pdserve"]["static_configs"] for t in sc["targets"]]
     assert targets and all(t.endswith(":8000") for t in targets)
+
+
+def test_metrics_port_flag():
+    from pdserve.cli import build_parser
+
+    def parse(*flags):
+        return build_parser(["serve"]).parse_args(["serve", *flags])
+
+    assert parse().metrics_port is None  # cmd_serve: 8000, or a free port with --port 0
+    assert parse("--metrics-port", "0").metrics_port == 0
+    assert parse("--metrics-port", "9400").metrics_port == 9400
+    assert parse("--metrics-port", "off").metrics_port == "off"
+    assert parse("--log-level", "warning").log_level == "warning"
+    for bad in (["--metrics-port", "http"], ["--metrics-port", "70000"], ["--log-level", "loud"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+
+
+def test_metrics_port_in_use_is_a_clear_error(actors, tokenizer):
+    """Last in this module: the failed router's long poll stays pending on the decode actor a moment."""
+    import socket
+
+    from pdserve.router.metrics import MetricsPortInUse
+
+    decode, _ = actors
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsPortInUse, match=f"cannot serve metrics on 127.0.0.1:{port}.*--metrics-port"):
+            start_in_thread([decode], tokenizer, RouterConfig(port=0, metrics_port=port))
