@@ -327,6 +327,14 @@ class EngineLoop:
 
     # ---- KVSink: called by transport threads ---------------------------------------------------
 
+    def open_kv(self, request_id: str) -> None:
+        """A transfer stream for a reserved request opened: its lease restarts now, so the lease
+        bounds the transfer itself, not the time the request waited in a prefill queue."""
+        r = self.reserved.get(request_id)
+        if r is None:
+            raise KeyError(f"no KV reservation for request {request_id!r} (expired, aborted or unknown)")
+        r.deadline = time.time() + self.config.kv_lease_s
+
     def write_kv(self, request_id: str, layers: range, block_ids: list[int] | None, data: torch.Tensor) -> None:
         """Write pieces of a reserved request's KV (``block_ids=None``: all its blocks)."""
         r = self.reserved.get(request_id)

@@ -35,10 +35,16 @@ class IntegrityError(TransferError):
 class KVSink(Protocol):
     """The decode side's landing area, keyed by request id."""
 
+    def open_kv(self, request_id: str) -> None:
+        """(Optional: receivers call it when the sink has it.) A transfer stream for the request
+        opened; the decode worker restarts the reservation's lease here. Raises ``KeyError`` for
+        an unknown request."""
+
     def write_kv(self, request_id: str, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
         """Write ``data`` ``[2, len(layers), len(block_ids), block_size, kv_heads, head_dim]`` into the
         reserved ``block_ids`` of ``layers``. Raises ``KeyError`` for an unknown request and
-        ``ValueError`` for blocks that are not the request's."""
+        ``ValueError`` for blocks that are not the request's. ``data`` is valid during the call
+        only (a transport may reuse its buffer for the next piece): copy, never keep it."""
 
     def complete_kv(self, request_id: str, first_token: int, first_logprob: float | None, transfer_s: float) -> None:
         """All pieces arrived: check coverage and start decoding from ``first_token``."""

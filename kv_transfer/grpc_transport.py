@@ -62,6 +62,8 @@ class _Servicer:
         nbytes = 0
         start = time.time()
         try:
+            if rid is not None and hasattr(self.sink, "open_kv"):
+                self.sink.open_kv(rid)  # the lease covers the transfer, not the prefill queue before it
             for message in request_iterator:
                 h = FrameHeader.unpack(message)
                 if h.join:

@@ -287,6 +287,25 @@ def test_a_transfer_that_never_sends_is_released_by_the_lease(transport, decode_
         bounded(lambda: t.finish(1))
 
 
+def test_the_lease_restarts_when_the_transfer_opens_so_a_queue_wait_does_not_eat_it(transport, decode_loop):
+    """Blocks reserved, then the request waits (a prefill queue) longer than the lease would
+    allow from the reservation: the stream's opening restarts the lease, so the transfer still
+    gets a whole lease. (The engine checks leases about once a second: the wait after the old
+    deadline spans such a check.)"""
+    loop = decode_loop(kv_lease_s=2.0)
+    receiver = transport.make_receiver(loop)
+    dest = loop.reserve_kv(WorkerRequest("queued", list(range(3, 11)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    t0 = time.time()
+    time.sleep(1.5)  # in the prefill queue
+    t = transport.sender.open("queued", receiver.address, 2, 2, timeout_s=10)
+    time.sleep(max(0.0, t0 + 3.3 - time.time()))  # past the reservation's first lease and a check of it
+    push(t, dest, random_kv(2, 2, like=loop.runner.kv), whole(2))
+    bounded(lambda: t.finish(7))
+    final = wait_for_final(loop, "queued")
+    assert final.finish_reason == "length", final.error
+    wait_all_free(loop)
+
+
 # ---- abort ----------------------------------------------------------------------------------------
 
 
