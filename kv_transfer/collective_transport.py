@@ -66,6 +66,10 @@ class CollectiveKVReceiver(KVReceiver):
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._groups: dict[str, object] = {}
         self._lock = threading.Lock()
+        # One receive buffer per control-stream thread, reused piece after piece: the sink copies a
+        # piece into the KV cache before the thread receives the next one, and a fresh buffer per
+        # piece would page-fault megabytes in every time.
+        self._staging = threading.local()
         self._grpc = GrpcKVReceiver(sink, host=host, fetch=self._fetch, on_join=self._join)
         self._host = host
 
@@ -86,12 +90,20 @@ class CollectiveKVReceiver(KVReceiver):
             raise ValueError(f"unknown process group {h.group!r} (the decode actor restarted?)")
         if h.dtype not in _DTYPES:
             raise ValueError(f"frame {h.i} of {h.rid}: unknown dtype {h.dtype!r}")
-        buf = torch.empty(h.shape, dtype=_DTYPES[h.dtype], device=self.device)
-        if buf.numel() * buf.element_size() != h.n:
+        dtype = _DTYPES[h.dtype]
+        count = 1
+        for d in h.shape:
+            count *= d
+        if count * dtype.itemsize != h.n:
             raise ValueError(f"frame {h.i} of {h.rid}: shape {h.shape} does not match {h.n} bytes")
+        staging = getattr(self._staging, "buf", None)
+        if staging is None or staging.numel() < h.n:
+            staging = self._staging.buf = torch.empty(h.n, dtype=torch.uint8, device=self.device)
+        buf = staging[:h.n].view(dtype).view(h.shape)
         try:
             group.recv([buf], 1, h.tag).wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
+            self._staging.buf = None  # the failed receive may still land in it: never reuse it
             with self._lock:
                 self._groups.pop(h.group, None)  # broken: the sender builds a new one
             raise ValueError(f"frame {h.i} of {h.rid}: receive over {self.backend} failed: {exc}") from None
