@@ -254,7 +254,7 @@ def _progress(args, total: int):
 
 def _cmd_run(args, specs, slo, schedule, options, meta) -> int:
     from pdserve.client import RequestError
-    from pdserve.loadtest.report import ModeResult, write_report
+    from pdserve.loadtest.report import ModeResult
     from pdserve.loadtest.sweep import run_sweep
 
     runs_per_mode = len(schedule.plans(specs))
