@@ -1,4 +1,4 @@
-"""Decode attention that reads the paged KV pool in place (CPU, float32/any float, via Numba).
+"""Decode attention that reads the paged KV pool in place (CPU, float32, compiled with Numba).
 
 A decode step attends one new query token per sequence to that sequence's whole context. Done
 with torch ops, the context must first be gathered from the pool into a padded ``[B, L, ...]``
@@ -7,7 +7,7 @@ several times more bytes than the weights themselves. This kernel instead walks 
 block table and reads keys and values where they lie, once, in parallel over (sequence, KV head)
 pairs: no copy, no padding, one call per layer.
 
-The arithmetic is the usual one (scores ``q . k * scale`` in the KV dtype, a max-subtracted
+The arithmetic is the usual one (scores ``q . k * scale`` in float32, a max-subtracted
 softmax, the probability-weighted sum of values), so results agree with
 ``scaled_dot_product_attention`` up to float rounding; the engine's parity tests check the greedy
 tokens against Hugging Face. The kernel is compiled on first use (a few seconds; cached on disk
@@ -16,15 +16,12 @@ by Numba where it can write). Only CPU tensors go through it; other devices use 
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import types
 
 import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:  # Numba is a declared dependency; without it the engine falls back to the torch path.
     import numba
@@ -128,7 +125,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     q = q.contiguous()
     out = torch.empty_like(q)
     kernel = _decode_kernel_serial if int((ctx_end - ctx_start).sum()) * kvh < SERIAL_BELOW else _decode_kernel
-    kernel(q.view(B * H, D).numpy(), k_pool.view(nb * bs * kvh, D).numpy(),
-                   v_pool.view(nb * bs * kvh, D).numpy(), block_tables, ctx_start, ctx_end, bs, kvh,
-                   np.float32(scale), out.view(B * H, D).numpy())
+    kernel(q.view(B * H, D).numpy(), k_pool.view(nb * bs * kvh, D).numpy(), v_pool.view(nb * bs * kvh, D).numpy(),
+           block_tables, ctx_start, ctx_end, bs, kvh, np.float32(scale), out.view(B * H, D).numpy())
     return out
