@@ -409,10 +409,10 @@ async def _serve(args: argparse.Namespace, workers: list, tokenizer, prefill_wor
                 f"{'s' if len(workers) != 1 else ''}, KV over {args.transport}")
     else:
         what = f"{len(workers)} worker{'s' if len(workers) != 1 else ''}"
-    print(f"pdserve: listening on {address} ({args.mode}, {what}, model {args.model}); Ctrl-C stops",
+    # One line, so that a launcher reading it learns both addresses at once.
+    metrics = f"metrics on http://{args.host}:{server.metrics_port}/metrics; " if server.metrics_port is not None else ""
+    print(f"pdserve: listening on {address} ({args.mode}, {what}, model {args.model}); {metrics}Ctrl-C stops",
           flush=True)
-    if server.metrics_port is not None:
-        print(f"pdserve: metrics on http://{args.host}:{server.metrics_port}/metrics", flush=True)
     await stop.wait()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)  # a second Ctrl-C interrupts the shutdown itself

@@ -15,8 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 import ray
 
 from pdserve.client import Client
@@ -58,18 +60,30 @@ def test_serve_generate_and_ctrl_c(ray_session, tmp_path):
         stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "w"), text=True, env=env,
     )
     try:
-        m = read_line_matching(proc, r"listening on (127\.0\.0\.1):(\d+)", timeout=120)
+        m = read_line_matching(proc, r"listening on (127\.0\.0\.1):(\d+).*metrics on http://127\.0\.0\.1:(\d+)/metrics",
+                               timeout=120)
         port = int(m.group(2))
+        metrics_port = int(m.group(3))  # with --port 0, a free port too (docs/observability.md)
         with Client(f"127.0.0.1:{port}", timeout=60) as client:
             info = client.server_info()
             assert (info.mode, info.num_decode_workers) == ("colocated", 1)
             out = client.complete(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
             assert out.completion_tokens >= 1
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples
+                       if s.name == "pdserve_requests_total" and s.value]
+        assert [(s.labels, s.value) for s in samples] == [
+            ({"mode": "colocated", "status": "OK", "finish_reason": out.finish_reason}, 1.0)]
         assert ray.get_actor("pdserve-decode-0", namespace="pdserve")  # the worker runs in the cluster we lent it
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, (tmp_path / "serve.err").read_text()
         assert port_is_free(port)
+        # The metrics server closed its HTTP connection first, so that port may linger in TIME_WAIT;
+        # a new server binds it with SO_REUSEADDR (as prometheus_client's does).
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", metrics_port))
         with pytest.raises(ValueError):
             ray.get_actor("pdserve-decode-0", namespace="pdserve")
     finally:
