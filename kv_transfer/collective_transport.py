@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError
-from pdserve.kv_transfer.grpc_transport import GrpcKVReceiver, GrpcKVSender, GrpcTransfer
+from pdserve.kv_transfer.grpc_transport import GrpcKVReceiver, GrpcKVSender, GrpcTransfer, _Lander
 from pdserve.kv_transfer.wire import _DTYPES, FrameHeader, checksum
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,11 @@ class CollectiveKVReceiver(KVReceiver):
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._groups: dict[str, object] = {}
         self._lock = threading.Lock()
-        # One receive buffer per control-stream thread, reused piece after piece: the sink copies a
-        # piece into the KV cache before the thread receives the next one, and a fresh buffer per
-        # piece would page-fault megabytes in every time.
+        # Receive buffers per control stream (a stream is served by one thread): a ring of
+        # ``_Lander.DEPTH + 2`` reused piece after piece, enough for every piece in flight or
+        # waiting to land (a fresh buffer per piece would page-fault megabytes in every time).
         self._staging = threading.local()
-        self._grpc = GrpcKVReceiver(sink, host=host, fetch=self._fetch, on_join=self._join)
+        self._grpc = GrpcKVReceiver(sink, host=host, fetch=self._fetch, on_join=self._join, timeout_s=timeout_s)
         self._host = host
 
     @property
@@ -83,7 +83,9 @@ class CollectiveKVReceiver(KVReceiver):
         with self._lock:
             self._groups[h.group] = group
 
-    def _fetch(self, h: FrameHeader, raw: None) -> torch.Tensor:
+    def _fetch(self, h: FrameHeader, raw: None):
+        """Post the receive of frame ``h`` now; return the function that waits for it and verifies
+        it (run by the stream's ``_Lander`` while the next frame's receive is posted)."""
         with self._lock:
             group = self._groups.get(h.group)
         if group is None:
@@ -96,21 +98,34 @@ class CollectiveKVReceiver(KVReceiver):
             count *= d
         if count * dtype.itemsize != h.n:
             raise ValueError(f"frame {h.i} of {h.rid}: shape {h.shape} does not match {h.n} bytes")
-        staging = getattr(self._staging, "buf", None)
-        if staging is None or staging.numel() < h.n:
-            staging = self._staging.buf = torch.empty(h.n, dtype=torch.uint8, device=self.device)
-        buf = staging[:h.n].view(dtype).view(h.shape)
+        if h.i == 0:  # a new stream on this thread: a fresh ring (a failed stream's receives may
+            self._staging.ring = [None] * (_Lander.DEPTH + 2)  # still land in the old one)
+        ring = self._staging.ring
+        slot = h.i % len(ring)
+        if ring[slot] is None or ring[slot].numel() < h.n:
+            ring[slot] = torch.empty(h.n, dtype=torch.uint8, device=self.device)
+        buf = ring[slot][:h.n].view(dtype).view(h.shape)
         try:
-            group.recv([buf], 1, h.tag).wait(datetime.timedelta(seconds=self.timeout_s))
+            work = group.recv([buf], 1, h.tag)
         except RuntimeError as exc:
-            self._staging.buf = None  # the failed receive may still land in it: never reuse it
-            with self._lock:
-                self._groups.pop(h.group, None)  # broken: the sender builds a new one
-            raise ValueError(f"frame {h.i} of {h.rid}: receive over {self.backend} failed: {exc}") from None
-        got = checksum(buf)
-        if got != h.crc:
-            raise ValueError(f"frame {h.i} of {h.rid}: checksum mismatch ({got:#x} != {h.crc:#x})")
-        return buf
+            raise self._broken(h, exc) from None
+
+        def finish() -> torch.Tensor:
+            try:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise self._broken(h, exc) from None
+            got = checksum(buf)
+            if got != h.crc:
+                raise ValueError(f"frame {h.i} of {h.rid}: checksum mismatch ({got:#x} != {h.crc:#x})")
+            return buf
+
+        return finish
+
+    def _broken(self, h: FrameHeader, exc: Exception) -> ValueError:
+        with self._lock:
+            self._groups.pop(h.group, None)  # broken: the sender builds a new one
+        return ValueError(f"frame {h.i} of {h.rid}: receive over {self.backend} failed: {exc}")
 
     def stop(self) -> None:
         self._grpc.stop()

@@ -43,16 +43,73 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+class _Lander:
+    """Lands pieces whose receive is still in flight, in frame order, on a thread of its own, so
+    that the stream's thread meanwhile reads the next header and posts the next receive (the
+    collective transport). At most ``DEPTH`` pieces wait here; every wait is bounded."""
+
+    DEPTH = 2
+
+    def __init__(self, sink: KVSink, rid: str, timeout_s: float) -> None:
+        self.sink = sink
+        self.rid = rid
+        self.timeout_s = timeout_s
+        self.error: str | None = None
+        self.nbytes = 0
+        self._q: queue.Queue = queue.Queue(maxsize=self.DEPTH)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-land-{rid}", daemon=True)
+        self._thread.start()
+
+    def put(self, h: FrameHeader, finish) -> None:
+        if self.error is not None:
+            raise ValueError(self.error)
+        try:
+            self._q.put((h, finish), timeout=self.timeout_s)
+        except queue.Full:
+            raise ValueError(f"frame {h.i} of {self.rid}: landing the pieces before it timed out") from None
+
+    def _run(self) -> None:
+        while not (self._closed and self._q.empty()):
+            try:
+                h, finish = self._q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if self.error is not None:
+                continue  # failed: drop the rest
+            try:
+                data = finish()  # waits for the receive and verifies it
+                self.sink.write_kv(self.rid, range(*h.layers), list(h.blocks), data)
+                self.nbytes += h.n
+            except Exception as exc:
+                self.error = str(exc)
+
+    def close(self) -> None:
+        """Land every queued piece; raise the first failure."""
+        self._closed = True
+        self._thread.join(self.timeout_s * (self.DEPTH + 1))
+        if self._thread.is_alive():
+            self.error = self.error or "landing the last pieces timed out"
+        if self.error is not None:
+            raise ValueError(self.error)
+
+    def abandon(self) -> None:
+        self.error = self.error or "the stream failed"
+        self._closed = True
+
+
 class _Servicer:
     """Lands frames into a sink. ``fetch(header, data_bytes)`` returns a piece's verified tensor
-    (from the frame's data message by default; the collective transport receives it from a process
-    group, and its headers have no data message), ``on_join(header)`` answers control frames that
-    set up a process group."""
+    (from the frame's data message by default), or a function that waits for it and verifies it
+    (the collective transport: its headers have no data message, the bytes come from a process
+    group, and a ``_Lander`` writes them while the next receive is already posted).
+    ``on_join(header)`` answers control frames that set up a process group."""
 
-    def __init__(self, sink: KVSink, fetch=None, on_join=None) -> None:
+    def __init__(self, sink: KVSink, fetch=None, on_join=None, timeout_s: float = 30.0) -> None:
         self.sink = sink
         self.fetch = fetch or decode_piece
         self.on_join = on_join
+        self.timeout_s = timeout_s
 
     def Push(self, request_iterator, context):
         # The request id travels in the call's metadata too, so that a stream cancelled before its
@@ -61,6 +118,7 @@ class _Servicer:
         frames = 0
         nbytes = 0
         start = time.time()
+        lander: _Lander | None = None
         try:
             if rid is not None and hasattr(self.sink, "open_kv"):
                 self.sink.open_kv(rid)  # the lease covers the transfer, not the prefill queue before it
@@ -75,9 +133,15 @@ class _Servicer:
                     rid = h.rid
                 elif h.rid != rid:
                     raise ValueError(f"frame for {h.rid!r} in the stream of {rid!r}")
+                if lander is not None and lander.error is not None:
+                    raise ValueError(lander.error)
                 if h.last:
                     if h.frames != frames:
                         raise ValueError(f"{h.frames} frames sent, {frames} received")
+                    if lander is not None:
+                        lander.close()
+                        nbytes += lander.nbytes
+                        lander = None
                     self.sink.complete_kv(rid, h.token, h.logprob, time.time() - start)
                     return pb.PushAck(ok=True, bytes_received=nbytes)
                 if h.i != frames:
@@ -88,11 +152,19 @@ class _Servicer:
                     if raw is None:
                         raise ValueError(f"the stream ended inside frame {h.i} (sender gone or cancelled)")
                 data = self.fetch(h, raw)
-                self.sink.write_kv(rid, range(*h.layers), list(h.blocks), data)
+                if callable(data):  # a receive in flight: landed in order while the next is posted
+                    if lander is None:
+                        lander = _Lander(self.sink, rid, self.timeout_s)
+                    lander.put(h, data)
+                else:
+                    self.sink.write_kv(rid, range(*h.layers), list(h.blocks), data)
+                    nbytes += h.n
                 frames += 1
-                nbytes += h.n
             raise ValueError("the stream ended before its last frame (sender gone or cancelled)")
         except Exception as exc:  # any failure releases the blocks and is reported, never raised
+            if lander is not None:
+                lander.abandon()
+                nbytes += lander.nbytes
             if isinstance(exc, grpc.RpcError) and not str(exc):
                 exc = "the sender cancelled the stream or went away"
             error = f"KV transfer failed: {exc}"
@@ -109,9 +181,9 @@ class GrpcKVReceiver(KVReceiver):
     """A gRPC server that lands KV frames into a ``KVSink``."""
 
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 max_workers: int = 16, fetch=None, on_join=None) -> None:
+                 max_workers: int = 16, fetch=None, on_join=None, timeout_s: float = 30.0) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_CHANNEL_OPTIONS)
-        servicer = _Servicer(sink, fetch, on_join)
+        servicer = _Servicer(sink, fetch, on_join, timeout_s)
         handler = grpc.stream_unary_rpc_method_handler(
             servicer.Push, request_deserializer=None, response_serializer=pb.PushAck.SerializeToString)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
