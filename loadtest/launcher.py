@@ -3,7 +3,8 @@
 Each configuration runs as a ``pdserve serve`` subprocess on a free port, joined to one Ray
 cluster: a local one started here (``ray.init(address="local")``, sized to what the workers ask
 for), or the cluster given with ``--address``. The configurations run one after the other, never
-together, so they never share CPUs or actor names.
+together, so they never share CPUs. Their actors are named ``pdserve-loadtest-MODE-ROLE-N``
+(``pdserve serve --name``), so they do not clash with a pdserve server already on the cluster.
 
 ``equal_resource_configs`` builds the pair that the comparison is about: ``P`` prefill + ``D``
 decode actors against ``P + D`` colocated actors, every actor with the same CPUs, GPUs and
@@ -49,6 +50,11 @@ class ServerConfig:
     kv_memory: str | None = None
     max_model_len: int | None = None
     transport: str = "grpc"
+    name: str = ""  # prefix of the actor names (`pdserve serve --name`); default pdserve-loadtest-MODE
+
+    @property
+    def server_name(self) -> str:
+        return self.name or f"pdserve-loadtest-{self.mode}"
 
     @property
     def num_actors(self) -> int:
@@ -66,12 +72,13 @@ class ServerConfig:
                 f"KV over {self.transport})")
 
     def actor_names(self) -> list[str]:
-        return ([f"pdserve-decode-{i}" for i in range(self.decode)]
-                + [f"pdserve-prefill-{i}" for i in range(self.prefill)])
+        return ([f"{self.server_name}-decode-{i}" for i in range(self.decode)]
+                + [f"{self.server_name}-prefill-{i}" for i in range(self.prefill)])
 
     def serve_args(self, ray_address: str) -> list[str]:
         args = ["serve", "--mode", self.mode, "--decode", str(self.decode), "--decode-cpus", f"{self.cpus:g}",
-                "--decode-gpus", f"{self.gpus:g}", "--model", self.model, "--port", "0", "--address", ray_address]
+                "--decode-gpus", f"{self.gpus:g}", "--model", self.model, "--port", "0", "--address", ray_address,
+                "--name", self.server_name]
         if self.mode == "disaggregated":
             args += ["--prefill", str(self.prefill), "--prefill-cpus", f"{self.cpus:g}",
                      "--prefill-gpus", f"{self.gpus:g}", "--transport", self.transport]
@@ -132,8 +139,8 @@ class RayCluster:
                                   "number of actors")
         for name in config.actor_names():
             if _actor_exists(name):
-                raise LaunchError(f"an actor named {name!r} already runs in this Ray cluster (another pdserve "
-                                  "server?); stop it, or compare on another cluster")
+                raise LaunchError(f"an actor named {name!r} already runs in this Ray cluster (another load "
+                                  "test?); stop it, or compare on another cluster")
 
     def kill_leftovers(self, config: ServerConfig) -> list[str]:
         """Kill actors of ``config`` that are still alive (a server that had to be killed)."""

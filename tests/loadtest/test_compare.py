@@ -73,6 +73,8 @@ def test_compare_writes_a_consistent_report(servable_tiny_model, tmp_path):
         head = (out / png).read_bytes()[:8]
         assert head == b"\x89PNG\r\n\x1a\n" and (out / png).stat().st_size > 10_000
     assert "highest rate at which colocated met the SLO" in proc.stdout  # the table is printed too
+    for name in ("colocated", "disaggregated"):  # actor names of their own: no clash with a user's server
+        assert f"--name pdserve-loadtest-{name}" in (out / f"server-{name}.log").read_text()
 
 
 def test_ctrl_c_stops_the_servers_it_started(servable_tiny_model, tmp_path):
