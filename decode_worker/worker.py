@@ -47,6 +47,7 @@ class Reservation:
 
     seq: Sequence
     deadline: float
+    opened: bool = False  # a transfer stream for it has opened
     lock: threading.Lock = field(default_factory=threading.Lock)
     released: bool = False
     covered: set = field(default_factory=set)  # distinct (layer, block) pairs written so far
@@ -63,7 +64,13 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     role: str = "colocated"
     transport: str = "grpc"  # how KV arrives in the decode role
-    kv_lease_s: float = 30.0  # reserved blocks not filled and started within this are released
+    # A reservation waits for its transfer to open (the request sits in a prefill queue meanwhile)
+    # at most kv_reserve_timeout_s; the router aborts it sooner when the client goes away, the
+    # deadline passes or the prefill worker dies, so this only guards against a lost router.
+    kv_reserve_timeout_s: float = 300.0
+    # Once the transfer is open, no progress (no piece written, no completion) for kv_lease_s
+    # releases the blocks: a stalled transfer.
+    kv_lease_s: float = 30.0
 
 
 class EngineLoop:
@@ -228,9 +235,15 @@ class EngineLoop:
     def _expire_leases(self) -> None:
         now = time.time()
         for rid, r in list(self.reserved.items()):
-            if now > r.deadline:
-                self._fail_reservation(rid, f"KV transfer did not complete within its lease of "
-                                            f"{self.config.kv_lease_s:g} s; blocks released")
+            if now <= r.deadline:
+                continue
+            if r.opened:
+                error = (f"KV transfer stalled: no data for {self.config.kv_lease_s:g} s "
+                         "(its lease, kv_lease_s); blocks released")
+            else:
+                error = (f"KV transfer did not open within the reservation's lease of "
+                         f"{self.config.kv_reserve_timeout_s:g} s (kv_reserve_timeout_s); blocks released")
+            self._fail_reservation(rid, error)
 
     def _release_reservation(self, request_id: str) -> Reservation | None:
         r = self.reserved.pop(request_id, None)
@@ -283,7 +296,7 @@ class EngineLoop:
         seq = Sequence(req.request_id, req.prompt_token_ids, req.params, self.runner.block_size,
                        self.runner.device, arrival_time=req.arrival_time or time.time())
         seq.block_table.reserve(self.runner.allocator, len(req.prompt_token_ids))  # OutOfBlocks propagates
-        self.reserved[req.request_id] = Reservation(seq, time.time() + self.config.kv_lease_s)
+        self.reserved[req.request_id] = Reservation(seq, time.time() + self.config.kv_reserve_timeout_s)
         return list(seq.block_table.blocks)
 
     def _start(self, request_id: str, first_token: int, first_logprob: float | None, transfer_s: float | None) -> None:
@@ -328,11 +341,12 @@ class EngineLoop:
     # ---- KVSink: called by transport threads ---------------------------------------------------
 
     def open_kv(self, request_id: str) -> None:
-        """A transfer stream for a reserved request opened: its lease restarts now, so the lease
-        bounds the transfer itself, not the time the request waited in a prefill queue."""
+        """A transfer stream for a reserved request opened: from now on the lease bounds stalls
+        of the transfer (renewed by every piece), not the time the request waited in a prefill queue."""
         r = self.reserved.get(request_id)
         if r is None:
             raise KeyError(f"no KV reservation for request {request_id!r} (expired, aborted or unknown)")
+        r.opened = True
         r.deadline = time.time() + self.config.kv_lease_s
 
     def write_kv(self, request_id: str, layers: range, block_ids: list[int] | None, data: torch.Tensor) -> None:
@@ -351,6 +365,8 @@ class EngineLoop:
             self.runner.kv.import_blocks(block_ids, layers, data)
             r.covered.update((layer, b) for layer in layers for b in block_ids)  # a duplicate adds nothing
             r.bytes_received += data.numel() * data.element_size()
+            r.opened = True
+            r.deadline = time.time() + self.config.kv_lease_s  # progress renews the lease
 
     def complete_kv(self, request_id: str, first_token: int, first_logprob: float | None, transfer_s: float) -> None:
         r = self.reserved.get(request_id)

@@ -86,7 +86,7 @@ def one_thread():
 
 @pytest.fixture
 def make_loop(tiny, one_thread):
-    """Factory: ``make_loop(num_blocks=..., max_num_batched_tokens=..., max_num_seqs=..., kv_lease_s=...)``
+    """Factory: ``make_loop(num_blocks=..., max_num_batched_tokens=..., max_num_seqs=..., kv_lease_s=..., kv_reserve_timeout_s=...)``
     -> a started ``EngineLoop`` over the tiny model (block size 4), stopped after the test."""
     from pdserve.decode_worker.scheduler import SchedulerConfig
     from pdserve.decode_worker.worker import EngineLoop, WorkerConfig
@@ -95,11 +95,11 @@ def make_loop(tiny, one_thread):
     loops = []
 
     def make(num_blocks: int = 256, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-             kv_lease_s: float = 30.0):
+             kv_lease_s: float = 30.0, kv_reserve_timeout_s: float = 300.0):
         config = WorkerConfig(
             engine=EngineConfig(model=str(tiny.path), block_size=4, num_blocks=num_blocks, show_progress=False),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-            kv_lease_s=kv_lease_s,
+            kv_lease_s=kv_lease_s, kv_reserve_timeout_s=kv_reserve_timeout_s,
         )
         loop = EngineLoop(config)
         loops.append(loop)

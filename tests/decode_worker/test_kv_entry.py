@@ -97,7 +97,7 @@ def test_start_needs_every_layer_and_import_needs_a_reservation(tiny, make_loop,
 
 
 def test_an_expired_lease_frees_the_blocks(tiny, make_loop, collect, prefill_runner):
-    loop = make_loop(num_blocks=32, kv_lease_s=0.2)
+    loop = make_loop(num_blocks=32, kv_reserve_timeout_s=0.2)
     out = collect(loop)
     prompt = tiny.prompts([30], seed=12)[0]
     loop.reserve_kv(req("slow", prompt, 4))

@@ -102,7 +102,7 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture
 def decode_loop(tiny_llama_dir):
-    """Factory: ``decode_loop(kv_lease_s=30.0)`` -> a started decode-role ``EngineLoop`` (block
+    """Factory: ``decode_loop(kv_lease_s=30.0, kv_reserve_timeout_s=300.0)`` -> a started decode-role ``EngineLoop`` (block
     size 4, 64 blocks), stopped after the test."""
     from pdserve.decode_worker.worker import EngineLoop, WorkerConfig
     from pdserve.engine.config import EngineConfig
@@ -110,9 +110,10 @@ def decode_loop(tiny_llama_dir):
     loops = []
     before = torch.get_num_threads()
 
-    def make(kv_lease_s: float = 30.0) -> EngineLoop:
+    def make(kv_lease_s: float = 30.0, kv_reserve_timeout_s: float = 300.0) -> EngineLoop:
         engine = EngineConfig(model=str(tiny_llama_dir), block_size=4, num_blocks=64, threads=1, show_progress=False)
-        loop = EngineLoop(WorkerConfig(engine=engine, role="decode", kv_lease_s=kv_lease_s))
+        loop = EngineLoop(WorkerConfig(engine=engine, role="decode", kv_lease_s=kv_lease_s,
+                                         kv_reserve_timeout_s=kv_reserve_timeout_s))
         loops.append(loop)
         return loop
 

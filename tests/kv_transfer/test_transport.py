@@ -306,6 +306,34 @@ def test_the_lease_restarts_when_the_transfer_opens_so_a_queue_wait_does_not_eat
     wait_all_free(loop)
 
 
+def test_a_slow_transfer_that_keeps_making_progress_outlives_the_lease(transport, decode_loop):
+    """The lease bounds stalls, not the whole transfer: four pieces 0.9 s apart with a 1.5 s
+    lease (about 3.6 s in all, across several lease checks) still complete."""
+    loop = decode_loop(kv_lease_s=1.5)
+    receiver = transport.make_receiver(loop)
+    dest = loop.reserve_kv(WorkerRequest("slow", list(range(3, 11)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    t = transport.sender.open("slow", receiver.address, 2, 2, timeout_s=10)
+    data = random_kv(2, 2, like=loop.runner.kv)
+    for layers, blocks in [(range(lo, lo + 1), slice(b, b + 1)) for lo in range(2) for b in range(2)]:
+        time.sleep(0.9)
+        push(t, dest, data, [(layers, blocks)])
+    bounded(lambda: t.finish(7))
+    final = wait_for_final(loop, "slow")
+    assert final.finish_reason == "length", final.error
+    wait_all_free(loop)
+
+
+def test_a_reservation_whose_transfer_never_opens_is_released_by_its_own_timeout(transport, decode_loop):
+    """No prefill ever comes (a router lost in between): kv_reserve_timeout_s frees the blocks and
+    the error names that setting."""
+    loop = decode_loop(kv_reserve_timeout_s=0.5)
+    transport.make_receiver(loop)
+    loop.reserve_kv(WorkerRequest("orphan", list(range(3, 11)), SamplingParams(max_tokens=2)))
+    final = wait_for_final(loop, "orphan", timeout=10)
+    assert final.finish_reason == "error" and "kv_reserve_timeout_s" in final.error
+    wait_all_free(loop)
+
+
 # ---- abort ----------------------------------------------------------------------------------------
 
 

@@ -65,7 +65,9 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 
 def test_disaggregated_actors_match_hf_free_every_block_and_survive_a_dead_prefill(ray_cluster, tiny):
     ray = ray_cluster
-    decode_config = WorkerConfig(engine=engine_config(tiny, 1024), kv_lease_s=LEASE_S)
+    # A request queued on the prefill actor that gets killed never opens its transfer (no router
+    # here to abort it): the reservation's timeout frees it.
+    decode_config = WorkerConfig(engine=engine_config(tiny, 1024), kv_lease_s=LEASE_S, kv_reserve_timeout_s=LEASE_S)
 
     def prefill_config(budget: int) -> PrefillConfig:
         return PrefillConfig(engine=engine_config(tiny, 512), max_num_batched_tokens=budget, transfer_timeout_s=20)

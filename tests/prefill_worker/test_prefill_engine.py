@@ -296,7 +296,7 @@ def test_an_unreachable_decode_actor_frees_the_prefill_blocks(tiny, make_pd):
 def test_a_stalled_decode_side_is_released_by_the_lease(tiny, make_pd):
     """The prefill never comes (a lost router call): the decode lease gives the blocks back and
     ends the request with an error naming the lease."""
-    pd = make_pd(kv_lease_s=0.5)
+    pd = make_pd(kv_reserve_timeout_s=0.5)
     pd.decode.reserve_kv(WorkerRequest("orphan", tiny.prompts([20])[0], greedy()))
     deltas = drain(lambda: pd.decode.take_outputs(0.2), {"orphan"}, timeout=10)
     final = deltas["orphan"][-1]
