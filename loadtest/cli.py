@@ -12,6 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from pdserve.cli import _non_negative_float, _positive_int
 from pdserve.loadtest.arrivals import ARRIVALS
 from pdserve.loadtest.driver import RunOptions
 from pdserve.loadtest.stats import SLO
@@ -35,18 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "actors, each alike), run the same seeded workload against each, and write one "
                            "report: Markdown table, JSON with every request, PNG plots.")
     g = cmp_p.add_argument_group("servers")
-    g.add_argument("--prefill", type=_count, default=1, metavar="P", help="prefill actors (default 1)")
-    g.add_argument("--decode", type=_count, default=1, metavar="D",
+    g.add_argument("--prefill", type=_positive_int, default=1, metavar="P", help="prefill actors (default 1)")
+    g.add_argument("--decode", type=_positive_int, default=1, metavar="D",
                    help="decode actors (default 1); the colocated side gets P+D actors")
-    g.add_argument("--cpus-per-actor", type=_non_negative, default=1.0, metavar="N",
+    g.add_argument("--cpus-per-actor", type=_non_negative_float, default=1.0, metavar="N",
                    help="Ray CPUs each actor reserves, both sides (default 1)")
-    g.add_argument("--gpus-per-actor", type=_non_negative, default=0.0, metavar="N",
+    g.add_argument("--gpus-per-actor", type=_non_negative_float, default=0.0, metavar="N",
                    help="Ray GPUs each actor reserves, both sides; > 0 runs on CUDA (default 0)")
-    g.add_argument("--threads", type=_count, default=1, help="torch threads per actor (default 1)")
+    g.add_argument("--threads", type=_positive_int, default=1, help="torch threads per actor (default 1)")
     g.add_argument("--model", default="default", metavar="PATH",
                    help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file")
     g.add_argument("--kv-memory", default=None, metavar="SIZE", help="KV cache per actor, e.g. 512MiB")
-    g.add_argument("--max-model-len", type=_count, default=None, metavar="N", help="context length")
+    g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N", help="context length")
     g.add_argument("--transport", choices=["grpc", "collective"], default="grpc",
                    help="KV transport of the disaggregated side (default grpc)")
     g.add_argument("--modes", default="colocated,disaggregated", metavar="LIST",
@@ -68,7 +69,7 @@ def _add_common(p: argparse.ArgumentParser, default_out: str) -> None:
     w.add_argument("--workload", choices=WORKLOADS, default="mixed",
                    help="fixed lengths, uniform ranges, mixed (a share of long prompts), chat prompts, or a "
                    "trace replay (default mixed)")
-    w.add_argument("--num-requests", "-n", type=_count, default=40, metavar="N", help="requests per run (default 40)")
+    w.add_argument("--num-requests", "-n", type=_positive_int, default=40, metavar="N", help="requests per run (default 40)")
     w.add_argument("--prompt-tokens", type=_length, default=LengthRange(32, 256), metavar="N|LO:HI",
                    help="prompt length, or the short prompts' length in mixed (default 32:256)")
     w.add_argument("--output-tokens", type=_length, default=LengthRange(16, 128), metavar="N|LO:HI",
@@ -118,26 +119,6 @@ def _add_slo_and_output(p: argparse.ArgumentParser, default_out: str | None) -> 
 
 
 # ---- argument types ----------------------------------------------------------------------------
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def _length(text: str) -> LengthRange:

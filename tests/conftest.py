@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,22 @@ def default_model_dir() -> Path:
     from pdserve.engine.model_loader import resolve_model_dir
 
     return resolve_model_dir("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_servable_model(tmp_path_factory, default_model_dir) -> Path:
+    """A 2-layer random Llama with the default model's tokenizer files (and so its vocabulary):
+    `pdserve serve` loads it in a moment and a request takes milliseconds."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("deploy-tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, path / name)
+    return path

@@ -32,9 +32,9 @@ def compare_cmd(model, out, *extra):
 ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
 
 
-def test_compare_writes_a_consistent_report(servable_tiny_model, tmp_path):
+def test_compare_writes_a_consistent_report(tiny_servable_model, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run(compare_cmd(servable_tiny_model, out, "--rates", "4,8", "--slo-ttft-ms", "5000",
+    proc = subprocess.run(compare_cmd(tiny_servable_model, out, "--rates", "4,8", "--slo-ttft-ms", "5000",
                                       "--slo-itl-ms", "2000"),
                           capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -77,9 +77,9 @@ def test_compare_writes_a_consistent_report(servable_tiny_model, tmp_path):
         assert f"--name pdserve-loadtest-{name}" in (out / f"server-{name}.log").read_text()
 
 
-def test_ctrl_c_stops_the_servers_it_started(servable_tiny_model, tmp_path):
+def test_ctrl_c_stops_the_servers_it_started(tiny_servable_model, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.Popen(compare_cmd(servable_tiny_model, out, "--rates", "0.5", "-n", "500"),
+    proc = subprocess.Popen(compare_cmd(tiny_servable_model, out, "--rates", "0.5", "-n", "500"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     log = out / "server-colocated.log"
     try:
