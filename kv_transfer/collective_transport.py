@@ -25,14 +25,15 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import queue
 import threading
 import uuid
 
 import torch
 import torch.distributed as dist
 
-from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError
-from pdserve.kv_transfer.grpc_transport import GrpcKVReceiver, GrpcKVSender, GrpcTransfer, _Lander
+from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
+from pdserve.kv_transfer.grpc_transport import _END, GrpcKVReceiver, GrpcKVSender, GrpcTransfer, _Lander
 from pdserve.kv_transfer.wire import _DTYPES, FrameHeader, checksum
 
 logger = logging.getLogger(__name__)
@@ -58,10 +59,11 @@ class CollectiveKVReceiver(KVReceiver):
     """Decode side: a gRPC control server plus a rendezvous store; pieces arrive by ``recv``."""
 
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", device: str | torch.device = "cpu",
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, land_depth: int = _Lander.DEPTH) -> None:
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         self.timeout_s = timeout_s
+        self.land_depth = land_depth
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._groups: dict[str, object] = {}
@@ -70,7 +72,8 @@ class CollectiveKVReceiver(KVReceiver):
         # ``_Lander.DEPTH + 2`` reused piece after piece, enough for every piece in flight or
         # waiting to land (a fresh buffer per piece would page-fault megabytes in every time).
         self._staging = threading.local()
-        self._grpc = GrpcKVReceiver(sink, host=host, fetch=self._fetch, on_join=self._join, timeout_s=timeout_s)
+        self._grpc = GrpcKVReceiver(sink, host=host, fetch=self._fetch, on_join=self._join, timeout_s=timeout_s,
+                                    land_depth=land_depth)
         self._host = host
 
     @property
@@ -99,7 +102,7 @@ class CollectiveKVReceiver(KVReceiver):
         if count * dtype.itemsize != h.n:
             raise ValueError(f"frame {h.i} of {h.rid}: shape {h.shape} does not match {h.n} bytes")
         if h.i == 0:  # a new stream on this thread: a fresh ring (a failed stream's receives may
-            self._staging.ring = [None] * (_Lander.DEPTH + 2)  # still land in the old one)
+            self._staging.ring = [None] * (self.land_depth + 2)  # still land in the old one)
         ring = self._staging.ring
         slot = h.i % len(ring)
         if ring[slot] is None or ring[slot].numel() < h.n:
@@ -150,12 +153,25 @@ class _Pair:
 
 
 class CollectiveTransfer(GrpcTransfer):
-    """A gRPC control stream whose frames carry headers only; the data goes by ``send``."""
+    """A gRPC control stream whose frames carry headers only; the data goes by ``send``.
+
+    The caller's thread packs each piece into its staging buffer and checksums it; a thread of the
+    transfer's own (the poster) then posts the piece's ``send`` and, right after it, queues its
+    header, in frame order. gloo writes a piece into the socket inside ``send`` itself when the
+    receiver's ``recv`` is already posted (milliseconds per piece), so on the caller's thread those
+    writes would stall the prefill compute and the packing of the next piece; on the poster they
+    overlap both. (On CUDA the checksum reads the packed buffer back to the host, so the buffer is
+    complete before the poster sees it.)"""
+
+    post_on_thread = True  # False: post on the caller's thread (for A/B measurements only)
 
     def __init__(self, stub, request_id: str, timeout_s: float, pair: _Pair) -> None:
         self.pair = pair
         self._works: list = []
         self._send_error: str | None = None  # a send that failed (peer gone): ``finish`` reports it
+        self._timeout_s = timeout_s
+        self._posts: queue.Queue = queue.Queue()
+        self._poster: threading.Thread | None = None
         super().__init__(stub, request_id, timeout_s)
 
     def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list[bytes]:
@@ -166,18 +182,49 @@ class CollectiveTransfer(GrpcTransfer):
         header = FrameHeader(self.request_id, i, (layers.start, layers.stop), list(block_ids),
                              str(data.dtype).removeprefix("torch."), tuple(data.shape), checksum(data),
                              data.numel() * data.element_size(), group=self.pair.name, tag=tag)
-        # Posted before the header leaves: the receiver posts the matching recv when it reads it.
+        if not self.post_on_thread:
+            self._post(header.pack(), data, tag)
+            return []
+        if self._poster is None:
+            self._poster = threading.Thread(target=self._post_loop, name=f"kv-post-{self.request_id}", daemon=True)
+            self._poster.start()
+        self._posts.put((header.pack(), data, tag))
+        return []  # the poster queues the header once the send is posted
+
+    def _post_loop(self) -> None:
+        while True:
+            item = self._posts.get()
+            if item is _END:
+                return
+            self._post(*item)
+
+    def _post(self, header: bytes, data: torch.Tensor, tag: int) -> None:
+        """Post the piece's ``send``, then queue its header: the receiver posts the matching
+        ``recv`` when it reads the header."""
+        if self._send_error is not None or self.state is TransferState.FAILED:
+            return  # failed or aborted: nothing more leaves
         try:
             self._works.append((self.pair.group.send([data], 0, tag), data))
         except RuntimeError as exc:  # the peer is gone: ``send`` never raises, ``finish`` does
             self.pair.broken = True
             self._send_error = f"send over {self.pair.backend} failed: {exc}"
-            return []
-        return [header.pack()]
+            return
+        self._q.put(header)
+
+    def _drain_posts(self) -> None:
+        """Wait (bounded by the transfer's timeout) until every piece handed over is posted."""
+        if self._poster is None:
+            return
+        self._posts.put(_END)
+        self._poster.join(self._timeout_s)
+        if self._poster.is_alive() and self._send_error is None:
+            self._send_error = f"posting the sends over {self.pair.backend} timed out"
 
     def finish(self, first_token: int, first_logprob: float | None = None) -> int:
+        self._drain_posts()
         if self._send_error is not None:
             super().abort(self._send_error)
+            self.pair.broken = True
             self._works.clear()
             raise TransferError(f"KV transfer of {self.request_id} failed: {self._send_error}")
         try:
@@ -191,6 +238,7 @@ class CollectiveTransfer(GrpcTransfer):
     def abort(self, reason: str = "aborted") -> None:
         self.pair.broken = True
         super().abort(reason)
+        self._posts.put(_END)  # the poster drops what is left and ends
 
 
 class CollectiveKVSender(KVSender):

@@ -46,17 +46,18 @@ _CHANNEL_OPTIONS = [
 class _Lander:
     """Lands pieces whose receive is still in flight, in frame order, on a thread of its own, so
     that the stream's thread meanwhile reads the next header and posts the next receive (the
-    collective transport). At most ``DEPTH`` pieces wait here; every wait is bounded."""
+    collective transport). At most ``depth`` pieces wait here; every wait is bounded."""
 
     DEPTH = 2
 
-    def __init__(self, sink: KVSink, rid: str, timeout_s: float) -> None:
+    def __init__(self, sink: KVSink, rid: str, timeout_s: float, depth: int = DEPTH) -> None:
+        self.depth = depth
         self.sink = sink
         self.rid = rid
         self.timeout_s = timeout_s
         self.error: str | None = None
         self.nbytes = 0
-        self._q: queue.Queue = queue.Queue(maxsize=self.DEPTH)
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kv-land-{rid}", daemon=True)
         self._thread.start()
@@ -87,7 +88,7 @@ class _Lander:
     def close(self) -> None:
         """Land every queued piece; raise the first failure."""
         self._closed = True
-        self._thread.join(self.timeout_s * (self.DEPTH + 1))
+        self._thread.join(self.timeout_s * (self.depth + 1))
         if self._thread.is_alive():
             self.error = self.error or "landing the last pieces timed out"
         if self.error is not None:
@@ -110,7 +111,9 @@ class _Servicer:
     one process on the loaded two-core machine), the extra thread competing for the GIL and the
     CPU with gRPC's own threads."""
 
-    def __init__(self, sink: KVSink, fetch=None, on_join=None, timeout_s: float = 30.0) -> None:
+    def __init__(self, sink: KVSink, fetch=None, on_join=None, timeout_s: float = 30.0,
+                 land_depth: int = _Lander.DEPTH) -> None:
+        self.land_depth = land_depth
         self.sink = sink
         self.fetch = fetch or decode_piece
         self.on_join = on_join
@@ -159,7 +162,7 @@ class _Servicer:
                 data = self.fetch(h, raw)
                 if callable(data):  # a receive in flight: landed in order while the next is posted
                     if lander is None:
-                        lander = _Lander(self.sink, rid, self.timeout_s)
+                        lander = _Lander(self.sink, rid, self.timeout_s, self.land_depth)
                     lander.put(h, data)
                 else:
                     self.sink.write_kv(rid, range(*h.layers), list(h.blocks), data)
@@ -186,9 +189,10 @@ class GrpcKVReceiver(KVReceiver):
     """A gRPC server that lands KV frames into a ``KVSink``."""
 
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 max_workers: int = 16, fetch=None, on_join=None, timeout_s: float = 30.0) -> None:
+                 max_workers: int = 16, fetch=None, on_join=None, timeout_s: float = 30.0,
+                 land_depth: int = _Lander.DEPTH) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_CHANNEL_OPTIONS)
-        servicer = _Servicer(sink, fetch, on_join, timeout_s)
+        servicer = _Servicer(sink, fetch, on_join, timeout_s, land_depth)
         handler = grpc.stream_unary_rpc_method_handler(
             servicer.Push, request_deserializer=None, response_serializer=pb.PushAck.SerializeToString)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
