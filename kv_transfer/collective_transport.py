@@ -205,7 +205,7 @@ class CollectiveTransfer(GrpcTransfer):
             return  # failed or aborted: nothing more leaves
         try:
             self._works.append((self.pair.group.send([data], 0, tag), data))
-        except RuntimeError as exc:  # the peer is gone: ``send`` never raises, ``finish`` does
+        except Exception as exc:  # the peer is gone: ``send`` never raises, ``finish`` does
             self.pair.broken = True
             self._send_error = f"send over {self.pair.backend} failed: {exc}"
             return
