@@ -32,7 +32,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.memory import peak_memory_bytes
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.sampler import sample
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ def test_compare_writes_a_consistent_report(tiny_servable_model, tmp_path):
             good = sum(r["ttft_s"] <= 5.0 for r in reqs) / run["duration_s"]  # ITLs here are far below 2 s
             assert abs(st["goodput"] - good) < 1e-9
             # The Markdown shows the JSON's numbers.
-            assert f"| requests ok / sent | " in md and f"{st['goodput']:.3f}" in md
+            assert "| requests ok / sent | " in md and f"{st['goodput']:.3f}" in md
             assert f"{st['ttft']['p99'] * 1e3:.0f}" in md
     assert re.search(r"\| 4 \| [\d.]+ \| [\d.]+ \| \d+ \| \d+ \| [\d.]+x \| [\d.]+x \|", md)
     assert "1 prefill + 1 decode actors (0.5 CPU" in md and "2 colocated actors (0.5 CPU" in md
