@@ -202,19 +202,29 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def _merge_role_resources(args: argparse.Namespace, role: str) -> None:
+    """Merge --ROLE-resources with --ROLE-cpus/--ROLE-gpus into ``args.ROLE_role`` (a
+    ``RoleResources``) and write the merged CPU/GPU counts back; ``ResourceSpecError`` if they clash."""
+    from pdserve.router.resources import parse_resources, role_resources
+
+    flag = f"--{role}-resources"
+    merged = role_resources(parse_resources(getattr(args, f"{role}_resources", None) or "", flag),
+                            getattr(args, f"{role}_cpus"), getattr(args, f"{role}_gpus"), flag)
+    setattr(args, f"{role}_role", merged)
+    setattr(args, f"{role}_cpus", merged.num_cpus)
+    setattr(args, f"{role}_gpus", merged.num_gpus)
+
+
 def _check_serve_args(args: argparse.Namespace) -> str | None:
     """Fill in the disaggregated-mode defaults; the error for flags the mode does not use."""
-    from pdserve.router.resources import ResourceSpecError, parse_resources, role_resources
+    from pdserve.router.resources import ResourceSpecError
 
     if getattr(args, "decode_role", None) is not None:
         return None  # checked already: the flags now hold the merged values
     try:
-        args.decode_role = role_resources(parse_resources(getattr(args, "decode_resources", None) or "",
-                                                          "--decode-resources"),
-                                          args.decode_cpus, args.decode_gpus, "--decode-resources")
+        _merge_role_resources(args, "decode")
     except ResourceSpecError as exc:
         return str(exc)
-    args.decode_cpus, args.decode_gpus = args.decode_role.num_cpus, args.decode_role.num_gpus
     if args.mode == "colocated":
         if args.prefill is not None:
             return "--prefill applies to --mode disaggregated only; colocated workers prefill themselves"
@@ -224,12 +234,9 @@ def _check_serve_args(args: argparse.Namespace) -> str | None:
         return None
     args.prefill = 1 if args.prefill is None else args.prefill
     try:
-        args.prefill_role = role_resources(parse_resources(getattr(args, "prefill_resources", None) or "",
-                                                           "--prefill-resources"),
-                                           args.prefill_cpus, args.prefill_gpus, "--prefill-resources")
+        _merge_role_resources(args, "prefill")
     except ResourceSpecError as exc:
         return str(exc)
-    args.prefill_cpus, args.prefill_gpus = args.prefill_role.num_cpus, args.prefill_role.num_gpus
     args.transport = args.transport or TRANSPORTS[0]
     return None
 
