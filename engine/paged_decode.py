@@ -4,8 +4,8 @@ A decode step attends one new query token per sequence to that sequence's whole 
 with torch ops, the context must first be gathered from the pool into a padded ``[B, L, ...]``
 copy every layer of every step: at batch 64 and contexts of a few hundred tokens that copy moves
 several times more bytes than the weights themselves. This kernel instead walks each sequence's
-block table and reads keys and values where they lie, once, in parallel over (sequence, KV head)
-pairs: no copy, no padding, one call per layer.
+block table and reads keys and values where they lie, once, in parallel over sequences (each
+thread takes every n-th sequence, all its heads): no copy, no padding, one call per layer.
 
 The arithmetic is the usual one (scores ``q . k * scale`` in float32, a max-subtracted
 softmax, the probability-weighted sum of values), so results agree with
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import types
 
 import numpy as np
 import torch
@@ -39,67 +38,91 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 if numba is not None:
 
-    def _decode_kernel_py(q, k_rows, v_rows, block_tables, ctx_start, ctx_end, block_size, kvh, scale,
-                       out):  # pragma: no cover - compiled
-        # q, out: [B * H, D]; k_rows/v_rows: the pool as [num_blocks * block_size * KVH, D] (row of
-        # slot s, KV head h = s * KVH + h); block_tables: [B, max_blocks]; sequence b attends to
-        # its positions ctx_start[b] .. ctx_end[b] - 1. All arrays C-contiguous, so the loops over
-        # the head dimension vectorize.
-        BH, D = q.shape
-        B = block_tables.shape[0]
-        group = BH // B // kvh
-        H = group * kvh
-        for job in prange(B * kvh):
-            b = job // kvh
-            kh = job - b * kvh
-            lo = ctx_start[b]
-            n = ctx_end[b] - lo
-            q0 = b * H + kh * group
-            scores = np.empty((group, n), dtype=np.float32)
-            for t in range(n):
-                pos = lo + t
-                blk = block_tables[b, pos // block_size]
-                row = (blk * block_size + pos % block_size) * kvh + kh
-                for g in range(group):
-                    s = np.float32(0.0)
-                    for d in range(D):
-                        s += q[q0 + g, d] * k_rows[row, d]
-                    scores[g, t] = s * scale
-            for g in range(group):
-                m = scores[g, 0]
-                for t in range(1, n):
-                    m = max(m, scores[g, t])
-                total = np.float32(0.0)
-                for t in range(n):
-                    e = np.exp(scores[g, t] - m)
-                    scores[g, t] = e
-                    total += e
-                inv = np.float32(1.0) / total
-                for t in range(n):
-                    scores[g, t] *= inv
-            acc = np.zeros((group, D), dtype=np.float32)
-            for t in range(n):
-                pos = lo + t
-                blk = block_tables[b, pos // block_size]
-                row = (blk * block_size + pos % block_size) * kvh + kh
-                for g in range(group):
-                    p = scores[g, t]
-                    for d in range(D):
-                        acc[g, d] += p * v_rows[row, d]
-            for g in range(group):
-                for d in range(D):
-                    out[q0 + g, d] = acc[g, d]
+    @numba.njit(fastmath=True, inline="always")
+    def _dot(a, b):  # pragma: no cover - compiled
+        s = np.float32(0.0)
+        for d in range(a.shape[0]):
+            s += a[d] * b[d]
+        return s
 
+    @numba.njit(fastmath=True, inline="always")
+    def _axpy(p, x, acc):  # pragma: no cover - compiled
+        for d in range(x.shape[0]):
+            acc[d] += p * x[d]
 
-    # Two compilations of one body: across threads for real batches, and serial for small ones,
-    # where starting the thread team would cost more than the work (single-stream decode).
-    # Numba's disk cache keys a function by its name and line, not by the compile flags, so the
-    # serial variant is compiled from a renamed copy of the function (else each would load the other).
-    _decode_kernel = numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_kernel_py)
-    _serial_py = types.FunctionType(
-        _decode_kernel_py.__code__.replace(co_name="_decode_kernel_serial", co_qualname="_decode_kernel_serial"),
-        _decode_kernel_py.__globals__, "_decode_kernel_serial")
-    _decode_kernel_serial = numba.njit(fastmath=True, cache=True, nogil=True)(_serial_py)
+    @numba.njit(fastmath=True, cache=True, nogil=True)
+    def _attend_one(q, k_rows, v_rows, table, lo, hi, block_size, kvh, scale, out, scores,
+                    acc):  # pragma: no cover - compiled
+        # One sequence, all its heads: q, out [H, D]; k_rows/v_rows: the pool as
+        # [num_blocks * block_size * KVH, D] (row of slot s, KV head h = s * KVH + h); the sequence
+        # attends to positions lo .. hi - 1 of its block table. scores [H, >= hi - lo] and acc [H, D]
+        # are the caller's scratch. A token's KV heads are adjacent rows, so one sequence reads
+        # its keys (then its values) block by block, front to back; every row operation is a
+        # contiguous loop over the head dimension, which vectorizes.
+        H = q.shape[0]
+        group = H // kvh
+        n = hi - lo
+        for t in range(n):
+            pos = lo + t
+            row0 = (table[pos // block_size] * block_size + pos % block_size) * kvh
+            for kh in range(kvh):
+                k = k_rows[row0 + kh]
+                for g in range(group):
+                    h = kh * group + g
+                    scores[h, t] = _dot(q[h], k) * scale
+        for h in range(H):
+            m = scores[h, 0]
+            for t in range(1, n):
+                m = max(m, scores[h, t])
+            total = np.float32(0.0)
+            for t in range(n):
+                e = np.exp(scores[h, t] - m)
+                scores[h, t] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for t in range(n):
+                scores[h, t] *= inv
+        acc[:, :] = 0.0
+        for t in range(n):
+            pos = lo + t
+            row0 = (table[pos // block_size] * block_size + pos % block_size) * kvh
+            for kh in range(kvh):
+                v = v_rows[row0 + kh]
+                for g in range(group):
+                    h = kh * group + g
+                    _axpy(scores[h, t], v, acc[h])
+        out[:, :] = acc
+
+    @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def _decode_parallel(q, k_rows, v_rows, block_tables, ctx_start, ctx_end, block_size, kvh, scale, out,
+                         workers):  # pragma: no cover - compiled
+        # q, out: [B, H, D]. Worker w takes sequences w, w + workers, ...: with contexts of mixed
+        # lengths in arrival order, striding balances the threads better than contiguous halves.
+        B, H, D = q.shape
+        for w in prange(workers):
+            longest = 1
+            for b in range(w, B, workers):
+                longest = max(longest, ctx_end[b] - ctx_start[b])
+            scores = np.empty((H, longest), dtype=np.float32)
+            acc = np.empty((H, D), dtype=np.float32)
+            for b in range(w, B, workers):
+                _attend_one(q[b], k_rows, v_rows, block_tables[b], ctx_start[b], ctx_end[b], block_size, kvh,
+                            scale, out[b], scores, acc)
+
+    @numba.njit(fastmath=True, cache=True, nogil=True)
+    def _decode_serial(q, k_rows, v_rows, block_tables, ctx_start, ctx_end, block_size, kvh, scale, out,
+                       workers):  # pragma: no cover - compiled
+        # The same on the calling thread, for small steps where waking the thread team costs more
+        # than the work (single-stream decode).
+        B, H, D = q.shape
+        longest = 1
+        for b in range(B):
+            longest = max(longest, ctx_end[b] - ctx_start[b])
+        scores = np.empty((H, longest), dtype=np.float32)
+        acc = np.empty((H, D), dtype=np.float32)
+        for b in range(B):
+            _attend_one(q[b], k_rows, v_rows, block_tables[b], ctx_start[b], ctx_end[b], block_size, kvh, scale,
+                        out[b], scores, acc)
 
 # Below this many (context tokens x KV heads) in a step, the serial kernel runs.
 SERIAL_BELOW = 4096
@@ -124,7 +147,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     nb, bs, kvh, _ = k_pool.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    kernel = _decode_kernel_serial if int((ctx_end - ctx_start).sum()) * kvh < SERIAL_BELOW else _decode_kernel
-    kernel(q.view(B * H, D).numpy(), k_pool.view(nb * bs * kvh, D).numpy(), v_pool.view(nb * bs * kvh, D).numpy(),
-           block_tables, ctx_start, ctx_end, bs, kvh, np.float32(scale), out.view(B * H, D).numpy())
+    serial = int((ctx_end - ctx_start).sum()) * kvh < SERIAL_BELOW
+    kernel = _decode_serial if serial else _decode_parallel
+    kernel(q.numpy(), k_pool.view(nb * bs * kvh, D).numpy(), v_pool.view(nb * bs * kvh, D).numpy(),
+           block_tables, ctx_start, ctx_end, bs, kvh, np.float32(scale), out.numpy(), numba.get_num_threads())
     return out
