@@ -6,19 +6,24 @@ acknowledgement at the end. Message size limits are explicit on both sides (a pi
 ``MAX_FRAME_BYTES`` is split into several frames along its blocks, then its layers), every stream
 has a deadline, and every frame's checksum is checked before its bytes touch the KV cache.
 
-The stream's messages are raw bytes, not protobuf: a frame is a msgpack header message followed,
-when the header says ``inline``, by one message holding the piece's bytes exactly as they land in
-the KV cache. So the data is copied once on the sender (strided view -> ``bytes``, in ``send``, on
-the caller's thread, overlapping the previous frame's trip through gRPC) and not at all on the
-receiver before the write into the reserved blocks; protobuf would add a copy on each side to
-build, serialize and parse a message around megabytes that it does not look into. Only the
-acknowledgement is a protobuf message (``PushAck``).
+The stream's messages are raw bytes, not protobuf: a frame is ONE message, a short prefix, the
+msgpack header, then the piece's bytes exactly as they land in the KV cache (``wire.frame_message``).
+So the data is copied once on the sender (the contiguous runs of the layer/block view straight into
+the message, in ``send``, on the caller's thread, overlapping the previous frame's trip through
+gRPC) and not at all on the receiver before the write into the reserved blocks; protobuf would add
+a copy on each side to build, serialize and parse a message around megabytes that it does not look
+into. One message per frame, not a header message and a data message: grpcio moves one message at
+a time per stream, each a hand-off between the caller's thread and gRPC's on both ends, so every
+message saved is a round of thread hand-offs saved. Only the acknowledgement is a protobuf message
+(``PushAck``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent import futures
@@ -28,7 +33,7 @@ import torch
 
 from pdserve.internal import kv_transfer_pb2 as pb
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
-from pdserve.kv_transfer.wire import FrameHeader, decode_piece, encode_piece
+from pdserve.kv_transfer.wire import FrameHeader, decode_piece, encode_piece, frame_message, split_frame
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,34 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+_malloc_tuned = False
+
+
+def keep_frame_buffers() -> None:
+    """Let this process's ``malloc`` reuse the megabyte buffers of frames instead of mapping fresh
+    pages for every message (glibc only; once per process, idempotent).
+
+    Every frame makes a few buffers of its size on each end (the message we build, gRPC's copy of
+    it; gRPC's reassembly and ``bytes`` of it on the receiver). glibc serves blocks above its mmap
+    threshold with a fresh ``mmap`` and returns them with ``munmap``, and trims free memory at the
+    top of a heap, so each of those buffers page-faulted its pages in again (zeroed by the kernel):
+    a sixth of the receiver's CPU per push in a profile. Above every frame size (at most 4 MiB plus
+    a header) the threshold keeps them in the heap, and a larger trim threshold keeps the freed
+    pages mapped for the next frame. Allocations above 8 MiB (the KV pool, weights) still get their
+    own mappings; a process keeps at most about 32 MiB of free heap per malloc arena."""
+    global _malloc_tuned
+    if _malloc_tuned or not sys.platform.startswith("linux"):
+        return
+    _malloc_tuned = True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+        libc.mallopt(m_mmap_threshold, 2 * MAX_FRAME_BYTES)
+        libc.mallopt(m_trim_threshold, 32 << 20)
+    except (OSError, AttributeError):  # not glibc (musl, ...): keep its defaults
+        logger.debug("mallopt unavailable; frame buffers use the allocator's defaults")
 
 
 class _Lander:
@@ -73,9 +106,12 @@ class _Lander:
     def _run(self) -> None:
         while not (self._closed and self._q.empty()):
             try:
-                h, finish = self._q.get(timeout=0.2)
+                item = self._q.get(timeout=0.2)
             except queue.Empty:
                 continue
+            if item is None:  # close(): wakes an idle thread at once
+                continue
+            h, finish = item
             if self.error is not None:
                 continue  # failed: drop the rest
             try:
@@ -88,6 +124,10 @@ class _Lander:
     def close(self) -> None:
         """Land every queued piece; raise the first failure."""
         self._closed = True
+        try:  # an idle thread would otherwise notice only at its next poll (up to 0.2 s later)
+            self._q.put(None, timeout=self.timeout_s)
+        except queue.Full:
+            pass
         self._thread.join(self.timeout_s * (self.depth + 1))
         if self._thread.is_alive():
             self.error = self.error or "landing the last pieces timed out"
@@ -100,8 +140,8 @@ class _Lander:
 
 
 class _Servicer:
-    """Lands frames into a sink. ``fetch(header, data_bytes)`` returns a piece's verified tensor
-    (from the frame's data message by default), or a function that waits for it and verifies it
+    """Lands frames into a sink. ``fetch(header, data)`` returns a piece's verified tensor (from the
+    data that the frame's message carries, by default), or a function that waits for it and verifies it
     (the collective transport: its headers have no data message, the bytes come from a process
     group, and a ``_Lander`` writes them while the next receive is already posted).
     ``on_join(header)`` answers control frames that set up a process group.
@@ -131,7 +171,7 @@ class _Servicer:
             if rid is not None and hasattr(self.sink, "open_kv"):
                 self.sink.open_kv(rid)  # the lease covers the transfer, not the prefill queue before it
             for message in request_iterator:
-                h = FrameHeader.unpack(message)
+                h, raw = split_frame(message)
                 if h.join:
                     if self.on_join is None:
                         raise ValueError("this receiver does not take process-group frames")
@@ -154,11 +194,6 @@ class _Servicer:
                     return pb.PushAck(ok=True, bytes_received=nbytes)
                 if h.i != frames:
                     raise ValueError(f"frame {h.i} arrived where frame {frames} was expected")
-                raw = None
-                if h.inline:
-                    raw = next(request_iterator, None)
-                    if raw is None:
-                        raise ValueError(f"the stream ended inside frame {h.i} (sender gone or cancelled)")
                 data = self.fetch(h, raw)
                 if callable(data):  # a receive in flight: landed in order while the next is posted
                     if lander is None:
@@ -191,6 +226,7 @@ class GrpcKVReceiver(KVReceiver):
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  max_workers: int = 16, fetch=None, on_join=None, timeout_s: float = 30.0,
                  land_depth: int = _Lander.DEPTH) -> None:
+        keep_frame_buffers()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_CHANNEL_OPTIONS)
         servicer = _Servicer(sink, fetch, on_join, timeout_s, land_depth)
         handler = grpc.stream_unary_rpc_method_handler(
@@ -260,10 +296,10 @@ class GrpcTransfer(Transfer):
                 self._q.put(message)
 
     def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list[bytes]:
-        """The stream messages of frame ``i``: its header, then its bytes (one copy, on the caller's
-        thread: it overlaps gRPC shipping the frames before it)."""
-        header, raw = encode_piece(self.request_id, i, layers, block_ids, data)
-        return [header.pack(), raw]
+        """The stream message of frame ``i``: header and bytes in one message (one copy, on the
+        caller's thread: it overlaps gRPC shipping the frames before it)."""
+        header, parts = encode_piece(self.request_id, i, layers, block_ids, data)
+        return [frame_message(header, parts)]
 
     def finish(self, first_token: int, first_logprob: float | None = None) -> int:
         last = FrameHeader(self.request_id, self._frames, last=True, frames=self._frames,
@@ -301,6 +337,7 @@ class GrpcKVSender(KVSender):
     name = "grpc"
 
     def __init__(self) -> None:
+        keep_frame_buffers()
         self._stubs: dict[str, grpc.StreamUnaryMultiCallable] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()

@@ -2,19 +2,21 @@
 
 Header fields: ``rid`` (request id), ``i`` (frame index), ``layers`` ``[start, stop]``,
 ``blocks`` (destination block ids), ``dtype``, ``shape``, ``crc`` (checksum of the data: XXH3-64
-on CPU, see ``checksum``), ``n`` (data length), ``inline`` (the data follows as the next message
-of the stream). With the collective transport the data travels over a process group instead and
-the header names the group and the send's tag. The last frame has ``last: true``, no data, the
+on CPU, see ``checksum``), ``n`` (data length). On the gRPC stream a data frame is ONE message: a marker byte, the header's
+length, the header, then the data (``frame_message`` / ``split_frame``). With the collective
+transport the data travels over a process group instead, the message is the header alone, and the
+header names the group and the send's tag. The last frame has ``last: true``, no data, the
 number of frames sent before it (``frames``) and token #1 (``token``, ``logprob``). The receiver
 checks the checksum, the length and the shape of every frame, and that no frame is missing.
 
-Per piece the sender makes ONE copy (the strided layer/block view straight into the ``bytes`` that
-go on the wire) and the receiver none before the write into the reserved blocks (the tensor is a
-view of the received bytes).
+Per piece the sender makes ONE copy (the contiguous runs of the layer/block view, straight from the
+KV cache into the message's ``bytes``, after the header) and the receiver none before the write
+into the reserved blocks (the tensor is a view of the received message).
 """
 
 from __future__ import annotations
 
+import struct
 import warnings
 from dataclasses import dataclass, field
 
@@ -44,13 +46,12 @@ class FrameHeader:
     tag: int = 0  # point-to-point tag of this piece
     join: bool = False  # control frame: the decode side joins process group ``group``
     store: str = ""  # with ``join``: the rendezvous store prefix
-    inline: bool = False  # the piece's bytes follow as the stream's next message (gRPC transport)
 
     def pack(self) -> bytes:
         return msgpack.packb(self.__dict__, use_bin_type=True)
 
     @staticmethod
-    def unpack(raw: bytes) -> "FrameHeader":
+    def unpack(raw: bytes | memoryview) -> "FrameHeader":
         d = msgpack.unpackb(raw, raw=False)
         d["layers"] = tuple(d.get("layers", (0, 0)))
         d["shape"] = tuple(d.get("shape", ()))
@@ -68,10 +69,43 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
     return t.view(_INT_VIEW[t.element_size()]).numpy().tobytes()
 
 
+_MAX_PARTS = 4096  # a view in more contiguous runs than this is copied whole first (never seen)
+
+
+def contiguous_parts(t: torch.Tensor) -> list:
+    """The tensor's bytes in C order as a list of contiguous byte buffers, without copying: a
+    layer/block view of the KV cache is a few contiguous runs (one per key/value and layer, or
+    fewer), so the frame's message is built from them in one copy."""
+    t = t.detach().cpu()
+    parts: list = []
+    todo = [t]
+    while todo:
+        x = todo.pop()
+        if x.is_contiguous() or x.dim() <= 1:
+            if x.numel():
+                x = x.contiguous().reshape(-1)  # no copy unless a strided 1-D view
+                parts.append(memoryview(x.view(_INT_VIEW[x.element_size()]).numpy()).cast("B"))
+        else:
+            todo.extend(x[j] for j in range(x.shape[0] - 1, -1, -1))
+        if len(parts) + len(todo) > _MAX_PARTS:
+            return [tensor_to_bytes(t)]
+    return parts
+
+
 def checksum_bytes(raw) -> int:
     """Checksum of a bytes-like object: XXH3-64 (about 4x cheaper than CRC32 here, and a stronger
     check of random damage)."""
     return xxhash.xxh3_64_intdigest(raw)
+
+
+def checksum_parts(parts) -> int:
+    """``checksum_bytes`` of the concatenation of ``parts``, without concatenating them."""
+    if len(parts) == 1:
+        return checksum_bytes(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -85,16 +119,46 @@ def checksum(t: torch.Tensor) -> int:
     return checksum_bytes(t.view(torch.uint8).numpy())
 
 
-def encode_piece(rid: str, i: int, layers: range, blocks: list[int], data: torch.Tensor) -> tuple[FrameHeader, bytes]:
-    raw = tensor_to_bytes(data)
+def encode_piece(rid: str, i: int, layers: range, blocks: list[int], data: torch.Tensor) -> tuple[FrameHeader, list]:
+    """The header of a piece and its bytes as contiguous buffers (views: nothing copied yet)."""
+    parts = contiguous_parts(data)
     dtype = str(data.dtype).removeprefix("torch.")
     header = FrameHeader(rid, i, (layers.start, layers.stop), list(blocks), dtype, tuple(data.shape),
-                         checksum_bytes(raw), len(raw), inline=True)
-    return header, raw
+                         checksum_parts(parts), sum(len(p) for p in parts))
+    return header, parts
 
 
-def decode_piece(header: FrameHeader, raw: bytes | memoryview) -> torch.Tensor:
+# A data frame's message starts with this byte: 0xc1 is never the first byte of a msgpack object,
+# so a message that is a bare msgpack header (the collective transport's frames) is told apart.
+FRAME_MARK = 0xC1
+_PREFIX = struct.Struct("<BI")  # the mark, the header's length
+
+
+def frame_message(header: FrameHeader, parts) -> bytes:
+    """One stream message holding a frame: mark, header length, header, then the data, built in
+    one copy of ``parts`` (``bytes.join`` reads the buffers in place)."""
+    packed = header.pack()
+    return b"".join([_PREFIX.pack(FRAME_MARK, len(packed)), packed, *parts])
+
+
+def split_frame(message: bytes) -> tuple[FrameHeader, memoryview | None]:
+    """The header of a stream message and a view of its data (``None`` for a bare header)."""
+    if not message or message[0] != FRAME_MARK:
+        return FrameHeader.unpack(message), None
+    if len(message) < _PREFIX.size:
+        raise ValueError(f"a {len(message)}-byte message is too short to hold a frame")
+    _, hlen = _PREFIX.unpack_from(message)
+    view = memoryview(message)
+    end = _PREFIX.size + hlen
+    if end > len(message):
+        raise ValueError(f"a frame's header claims {hlen} bytes; the message holds {len(message) - _PREFIX.size}")
+    return FrameHeader.unpack(view[_PREFIX.size:end]), view[end:]
+
+
+def decode_piece(header: FrameHeader, raw: bytes | memoryview | None) -> torch.Tensor:
     """Verify and rebuild a piece's tensor; raises ``ValueError`` naming what is wrong."""
+    if raw is None:
+        raise ValueError(f"frame {header.i} of {header.rid} carries no data")
     if len(raw) != header.n:
         raise ValueError(f"frame {header.i} of {header.rid}: {len(raw)} bytes, header says {header.n}")
     crc = checksum_bytes(raw)

@@ -56,6 +56,26 @@ def test_export_import_round_trips_per_layer_range(layers):
     assert torch.equal(dst.v[:, untouched], dst_before_v[:, untouched])
 
 
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6], [0, 1, 8, 9, 4], [9, 8, 7], list(range(BLOCKS)), []],
+                         ids=["one run", "three runs", "descending", "whole pool", "none"])
+def test_export_and_import_by_runs_of_consecutive_blocks_match_indexed_copies(ids, monkeypatch):
+    """Runs of consecutive block ids are copied as slices; the result is the indexed copy's."""
+    import pdserve.engine.kv_cache as kc
+
+    src, layers = filled_cache(2), range(1, 3)
+    idx = torch.tensor(ids, dtype=torch.long)
+    want = torch.stack([src.k[1:3].index_select(1, idx), src.v[1:3].index_select(1, idx)])
+    for max_runs in (kc._MAX_RUNS, 0):  # slices, then the indexed fallback for fragmented ids
+        monkeypatch.setattr(kc, "_MAX_RUNS", max_runs)
+        got = src.export_blocks(ids, layers)
+        assert got.is_contiguous() and torch.equal(got, want)
+        dst = KVCache(LAYERS, BLOCKS, BS, KVH, D)
+        dst.import_blocks(ids, layers, want)
+        assert torch.equal(dst.export_blocks(ids, layers), want)
+        rest = [b for b in range(BLOCKS) if b not in ids]
+        assert not dst.k[:, rest].any() and not dst.v[:, rest].any() and not dst.k[[0, 3]].any()
+
+
 def test_export_is_a_copy():
     kv = filled_cache()
     data = kv.export_blocks([1, 3])

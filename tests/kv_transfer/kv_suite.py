@@ -170,12 +170,12 @@ class Faults:
         original = self.module.encode_piece
 
         def encode_piece(*args, **kwargs):
-            header, raw = original(*args, **kwargs)
+            header, parts = original(*args, **kwargs)
             if header.i == frame:
-                b = bytearray(raw)
+                b = bytearray(b"".join(parts))
                 b[offset] ^= 0xFF
-                raw = bytes(b)
-            return header, raw
+                parts = [bytes(b)]
+            return header, parts
 
         self.monkeypatch.setattr(self.module, "encode_piece", encode_piece)
 
