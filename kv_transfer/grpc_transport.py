@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_FRAME_BYTES = 4 << 20  # larger pieces are split: well under the message limit, and streamed
+# The sender's socket writes use MSG_ZEROCOPY where the kernel has it (the kernel then pins gRPC's
+# own copy of a frame instead of copying it once more; it falls back to a plain send elsewhere):
+# +6-8% for the push, alternated in one pair of actors on the loaded two-core machine.
+_SENDER_OPTIONS = [("grpc.experimental.tcp_tx_zerocopy_enabled", 1)]
 REQUEST_ID_KEY = "pdserve-request-id"  # call metadata: which request a Push stream carries
 SERVICE = "pdserve.internal.KvTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"  # client stream of raw-bytes messages -> PushAck
@@ -346,7 +350,7 @@ class GrpcKVSender(KVSender):
         """The ``Push`` call of ``destination``: raw-bytes requests, a ``PushAck`` back."""
         with self._lock:
             if destination not in self._stubs:
-                ch = grpc.insecure_channel(destination, options=_CHANNEL_OPTIONS)
+                ch = grpc.insecure_channel(destination, options=_CHANNEL_OPTIONS + _SENDER_OPTIONS)
                 self._channels.append(ch)
                 self._stubs[destination] = ch.stream_unary(PUSH_METHOD, request_serializer=None,
                                                            response_deserializer=pb.PushAck.FromString)
