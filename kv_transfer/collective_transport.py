@@ -6,6 +6,16 @@ headers with layer range, block ids, dtype, shape, checksum, tag; the last frame
 one acknowledgement), and only tensor bytes go over the process group. So ordering, integrity
 checks, deadlines and leases are exactly the gRPC transport's, and the same tests apply.
 
+Receives posted ahead (gloo): the data of a piece must never wait for its header. Each transfer
+owns a range of tags (frame ``i`` goes with tag ``base + i``), so once the first header names the
+range, the decode side keeps ``RECV_AHEAD`` receives posted for the frames to come, into reused
+buffers of ``SLOT_BYTES`` (no frame is larger; gloo lands a smaller send in a larger receive). A
+piece then streams over the group as soon as the sender posts it, while its header is still on the
+control stream; the header only has to arrive before the verified piece is written. At ``finish``
+the sender matches the receives posted beyond the last frame with empty sends, so no receive is
+left dangling. NCCL needs the exact size of every receive, so on NCCL the receive of a piece is
+posted when its header arrives (``post_ahead=False``, which tests also run over gloo).
+
 Groups: each decode actor hosts a ``TCPStore`` for rendezvous. A prefill actor that first sends
 to a decode actor creates a two-rank group with it (prefill rank 1, decode rank 0) under a fresh
 store prefix, by sending a ``join`` control frame while it joins itself; both sides block until
@@ -22,6 +32,7 @@ machinery, and it is the same NCCL/gloo code vLLM-style connectors use.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import itertools
 import logging
@@ -33,12 +44,23 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
-from pdserve.kv_transfer.grpc_transport import _END, GrpcKVReceiver, GrpcKVSender, GrpcTransfer, _Lander
+from pdserve.kv_transfer.grpc_transport import (
+    _END,
+    MAX_FRAME_BYTES,
+    GrpcKVReceiver,
+    GrpcKVSender,
+    GrpcTransfer,
+    _Lander,
+)
 from pdserve.kv_transfer.wire import _DTYPES, FrameHeader, checksum
 
 logger = logging.getLogger(__name__)
 
-_TAG_LIMIT = (1 << 31) - 1
+RECV_AHEAD = 4  # receives a decode-side stream keeps posted ahead of its headers (gloo)
+SLOT_BYTES = MAX_FRAME_BYTES  # the size of each of them: no frame is larger
+TAGS_PER_TRANSFER = 1 << 16  # a transfer's tag range: frame i goes with tag base + i
+_TRANSFER_RANGES = 1 << 15  # tag ranges of a group before they wrap (2**31 tags in all)
+_EMPTY = torch.empty(0, dtype=torch.uint8)  # what the sends that match spare receives carry
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -55,25 +77,92 @@ def _new_group(store: dist.Store, prefix: str, rank: int, backend: str, timeout_
     return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
 
 
+class _Inbox:
+    """One control stream's receives posted ahead of its headers: frame ``i`` lands in
+    ``bufs[i % RECV_AHEAD]`` under tag ``base + i``. Frames ``0 .. RECV_AHEAD-1`` are posted when the
+    first header names ``base``; each later one when the frame ``RECV_AHEAD`` before it (same buffer)
+    is written, that is when the stream's lander starts on the next frame. So after ``F`` frames
+    the receives of frames ``F .. F+RECV_AHEAD-2`` are spare: the sender matches them with empty
+    sends at ``finish``, and ``drain`` waits for those before the buffers serve another stream."""
+
+    def __init__(self, rid: str, group_name: str, group, base: int, bufs: list[torch.Tensor]) -> None:
+        self.rid = rid
+        self.group_name = group_name
+        self.group = group
+        self.base = base
+        self.bufs = bufs
+        self.works: list = [None] * RECV_AHEAD
+        self.posted = 0  # frames 0 .. posted-1 have a receive posted
+        self.landed = 0  # frames 0 .. landed-1 were received and verified
+        self.settled = False  # every receive it posted has completed: the buffers are free
+        for _ in range(RECV_AHEAD):
+            self.post_next()
+
+    def post_next(self) -> None:
+        j = self.posted % RECV_AHEAD
+        self.works[j] = self.group.recv([self.bufs[j]], 1, self.base + self.posted)
+        self.posted += 1
+
+    def drain(self, timeout: datetime.timedelta) -> None:
+        """Wait for the spare receives (matched by the sender's empty sends)."""
+        for f in range(self.landed, self.posted):
+            self.works[f % RECV_AHEAD].wait(timeout)
+        self.settled = True
+
+
+class _SinkHooks:
+    """The sink as the control stream sees it, so that the collective receiver learns when a stream
+    ends (on the stream's own thread): ``complete_kv`` first waits for the stream's spare receives,
+    ``fail_kv`` sets its buffers aside. Everything else is the sink's own (``open_kv`` only if it
+    has one)."""
+
+    def __init__(self, sink: KVSink, receiver: "CollectiveKVReceiver") -> None:
+        self._sink = sink
+        self._receiver = receiver
+
+    def __getattr__(self, name: str):
+        return getattr(self._sink, name)
+
+    def write_kv(self, request_id: str, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
+        self._sink.write_kv(request_id, layers, block_ids, data)
+
+    def complete_kv(self, request_id: str, first_token: int, first_logprob: float | None, transfer_s: float) -> None:
+        self._receiver._stream_done(request_id)
+        self._sink.complete_kv(request_id, first_token, first_logprob, transfer_s)
+
+    def fail_kv(self, request_id: str, error: str) -> None:
+        self._receiver._stream_failed(request_id)
+        self._sink.fail_kv(request_id, error)
+
+
 class CollectiveKVReceiver(KVReceiver):
-    """Decode side: a gRPC control server plus a rendezvous store; pieces arrive by ``recv``."""
+    """Decode side: a gRPC control server plus a rendezvous store; pieces arrive by ``recv``.
+
+    ``post_ahead`` (default: on gloo) keeps ``RECV_AHEAD`` receives posted ahead of the headers;
+    otherwise (NCCL) each receive is posted, at its exact size, when its header arrives."""
+
+    post_ahead: bool | None = None  # None: gloo posts ahead, NCCL does not (a test forces it)
 
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", device: str | torch.device = "cpu",
                  timeout_s: float = 30.0, land_depth: int = _Lander.DEPTH) -> None:
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
+        if self.post_ahead is None:
+            self.post_ahead = self.backend == "gloo"
         self.timeout_s = timeout_s
         self.land_depth = land_depth
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._groups: dict[str, object] = {}
+        self._parked: dict[str, list[_Inbox]] = {}  # inboxes of failed streams, kept until their group goes
+        self._free: list[list[torch.Tensor]] = []  # receive buffers that ended streams gave back
         self._lock = threading.Lock()
-        # Receive buffers per control stream (a stream is served by one thread): a ring of
-        # ``_Lander.DEPTH + 2`` reused piece after piece, enough for every piece in flight or
-        # waiting to land (a fresh buffer per piece would page-fault megabytes in every time).
+        # Per control-stream thread (a stream is served by one thread at a time): the stream's
+        # ``_Inbox`` (post_ahead), or a ring of ``land_depth + 2`` receive buffers (NCCL). Buffers
+        # are reused stream after stream (fresh ones would page-fault megabytes in every time).
         self._staging = threading.local()
-        self._grpc = GrpcKVReceiver(sink, host=host, fetch=self._fetch, on_join=self._join, timeout_s=timeout_s,
-                                    land_depth=land_depth)
+        self._grpc = GrpcKVReceiver(_SinkHooks(sink, self), host=host, fetch=self._fetch, on_join=self._join,
+                                    timeout_s=timeout_s, land_depth=land_depth)
         self._host = host
 
     @property
@@ -83,12 +172,19 @@ class CollectiveKVReceiver(KVReceiver):
 
     def _join(self, h: FrameHeader) -> None:
         group = _new_group(self._store, h.store, 0, self.backend, self.timeout_s)
+        sender = h.group.rsplit("-", 1)[0]
         with self._lock:
+            # The sender builds a new group only after its previous one with us failed: drop those
+            # (streams still running on one keep it alive until they end).
+            for name in [n for n in self._groups if n.rsplit("-", 1)[0] == sender]:
+                self._drop(name)
             self._groups[h.group] = group
 
-    def _fetch(self, h: FrameHeader, raw: None):
-        """Post the receive of frame ``h`` now; return the function that waits for it and verifies
-        it (run by the stream's ``_Lander`` while the next frame's receive is posted)."""
+    def _drop(self, name: str) -> None:
+        self._groups.pop(name, None)
+        self._parked.pop(name, None)
+
+    def _check(self, h: FrameHeader):
         with self._lock:
             group = self._groups.get(h.group)
         if group is None:
@@ -101,6 +197,84 @@ class CollectiveKVReceiver(KVReceiver):
             count *= d
         if count * dtype.itemsize != h.n:
             raise ValueError(f"frame {h.i} of {h.rid}: shape {h.shape} does not match {h.n} bytes")
+        return group, dtype
+
+    def _fetch(self, h: FrameHeader, raw: None):
+        """Take frame ``h``: return the function that waits for its data and verifies it (run by the
+        stream's ``_Lander``, in frame order, while the stream's thread reads the next header)."""
+        group, dtype = self._check(h)
+        if self.post_ahead:
+            return self._fetch_posted(h, group, dtype)
+        return self._fetch_on_header(h, group, dtype)
+
+    def _fetch_posted(self, h: FrameHeader, group, dtype: torch.dtype):
+        if h.n > SLOT_BYTES:
+            raise ValueError(f"frame {h.i} of {h.rid}: {h.n} bytes, more than a receive slot ({SLOT_BYTES})")
+        if h.i == 0:  # a new stream on this thread: post its receives ahead
+            try:
+                self._staging.inbox = _Inbox(h.rid, h.group, group, h.tag, self._buffers())
+            except RuntimeError as exc:
+                raise self._broken(h, exc) from None
+        inbox = getattr(self._staging, "inbox", None)
+        if inbox is None or inbox.rid != h.rid or inbox.group is not group:
+            raise ValueError(f"frame {h.i} of {h.rid}: no receives posted for this stream")
+        if h.tag != inbox.base + h.i:
+            raise ValueError(f"frame {h.i} of {h.rid}: tag {h.tag}, expected {inbox.base + h.i}")
+        j = h.i % RECV_AHEAD
+        buf = inbox.bufs[j][:h.n].view(dtype).view(h.shape)
+
+        def finish() -> torch.Tensor:
+            if h.i > 0:  # frame i-1 is written: its buffer takes the receive of frame i-1+RECV_AHEAD
+                try:
+                    inbox.post_next()
+                except RuntimeError as exc:
+                    raise self._broken(h, exc) from None
+            self._wait(h, inbox.works[j])
+            inbox.landed = h.i + 1
+            return self._verified(h, buf)
+
+        return finish
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """Receive buffers for a new stream: a set that an ended stream gave back, else fresh ones."""
+        prev = getattr(self._staging, "inbox", None)
+        if prev is not None:  # (a stream ends through ``_stream_done``/``_stream_failed``: not seen)
+            self._staging.inbox = None
+            self._park(prev)
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return [torch.empty(SLOT_BYTES, dtype=torch.uint8, device=self.device) for _ in range(RECV_AHEAD)]
+
+    def _park(self, inbox: _Inbox) -> None:
+        """Keep a failed stream's posted receives (and buffers) alive as long as their group: gloo
+        may still land data in them."""
+        with self._lock:
+            if inbox.group_name in self._groups:
+                self._parked.setdefault(inbox.group_name, []).append(inbox)
+
+    def _stream_done(self, rid: str) -> None:
+        """The stream's last frame arrived, every piece landed: wait for its spare receives."""
+        inbox = getattr(self._staging, "inbox", None)
+        if inbox is None or inbox.rid != rid or inbox.settled:
+            return
+        self._staging.inbox = None
+        try:
+            inbox.drain(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            with self._lock:
+                self._drop(inbox.group_name)
+            raise ValueError(f"{rid}: the receives after the last frame did not complete: {exc}") from None
+        with self._lock:
+            self._free.append(inbox.bufs)
+
+    def _stream_failed(self, rid: str) -> None:
+        inbox = getattr(self._staging, "inbox", None)
+        if inbox is not None and inbox.rid == rid and not inbox.settled:
+            self._staging.inbox = None
+            self._park(inbox)
+
+    def _fetch_on_header(self, h: FrameHeader, group, dtype: torch.dtype):
         if h.i == 0:  # a new stream on this thread: a fresh ring (a failed stream's receives may
             self._staging.ring = [None] * (self.land_depth + 2)  # still land in the old one)
         ring = self._staging.ring
@@ -114,42 +288,89 @@ class CollectiveKVReceiver(KVReceiver):
             raise self._broken(h, exc) from None
 
         def finish() -> torch.Tensor:
-            try:
-                work.wait(datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as exc:
-                raise self._broken(h, exc) from None
-            got = checksum(buf)
-            if got != h.crc:
-                raise ValueError(f"frame {h.i} of {h.rid}: checksum mismatch ({got:#x} != {h.crc:#x})")
-            return buf
+            self._wait(h, work)
+            return self._verified(h, buf)
 
         return finish
 
+    def _wait(self, h: FrameHeader, work) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise self._broken(h, exc) from None
+
+    @staticmethod
+    def _verified(h: FrameHeader, buf: torch.Tensor) -> torch.Tensor:
+        got = checksum(buf)
+        if got != h.crc:
+            raise ValueError(f"frame {h.i} of {h.rid}: checksum mismatch ({got:#x} != {h.crc:#x})")
+        return buf
+
     def _broken(self, h: FrameHeader, exc: Exception) -> ValueError:
         with self._lock:
-            self._groups.pop(h.group, None)  # broken: the sender builds a new one
+            self._drop(h.group)  # broken: the sender builds a new one
         return ValueError(f"frame {h.i} of {h.rid}: receive over {self.backend} failed: {exc}")
 
     def stop(self) -> None:
         self._grpc.stop()
         with self._lock:
             self._groups.clear()
+            self._parked.clear()
+            self._free.clear()
 
 
 class _Pair:
     """The prefill side's process group with one decode actor."""
 
-    def __init__(self, name: str, group, backend: str) -> None:
+    def __init__(self, name: str, group, backend: str, post_ahead: bool) -> None:
         self.name = name
         self.group = group
         self.backend = backend
-        self.tags = itertools.count(1)
+        self.post_ahead = post_ahead  # the decode side posts receives ahead: match its spare ones
+        self.ranges = itertools.count()
         self.lock = threading.Lock()
         self.broken = False
 
-    def next_tag(self) -> int:
+    def next_base(self) -> int:
+        """The first tag of a new transfer's range (ranges never overlap while in use: a group
+        wraps only after 32,768 transfers, and one that saw a failure is not reused)."""
         with self.lock:
-            return next(self.tags) % _TAG_LIMIT
+            return (next(self.ranges) % _TRANSFER_RANGES) * TAGS_PER_TRANSFER
+
+
+class _StagingPool:
+    """Packed staging buffers of ``SLOT_BYTES``, reused piece after piece and transfer after
+    transfer: packing a strided piece into a fresh tensor page-faults its megabytes in every time
+    (here about 0.39 ms per MB against 0.14 for a copy into a buffer already in memory)."""
+
+    KEEP = 2 * RECV_AHEAD  # free buffers kept (more go back to the allocator)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes <= SLOT_BYTES:
+            with self._lock:
+                if self._free:
+                    return self._free.pop()
+        return torch.empty(max(nbytes, SLOT_BYTES), dtype=torch.uint8, device=self.device)
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                if b.numel() == SLOT_BYTES and len(self._free) < self.KEEP:
+                    self._free.append(b)
+
+
+class _Staged:
+    """A packed piece on its way: its staging buffer, and its ``send`` once the poster posted it."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.work = None
+        self.posted = threading.Event()  # set when posted, or skipped (the transfer failed)
 
 
 class CollectiveTransfer(GrpcTransfer):
@@ -164,9 +385,13 @@ class CollectiveTransfer(GrpcTransfer):
     complete before the poster sees it.)"""
 
     post_on_thread = True  # False: post on the caller's thread (for A/B measurements only)
+    STAGED = 2 * RECV_AHEAD  # packed pieces in flight; packing one more waits for the oldest's send
 
-    def __init__(self, stub, request_id: str, timeout_s: float, pair: _Pair) -> None:
+    def __init__(self, stub, request_id: str, timeout_s: float, pair: _Pair, staging: _StagingPool) -> None:
         self.pair = pair
+        self._base = pair.next_base()  # frame i goes with tag base + i
+        self._pool = staging
+        self._staged: collections.deque[_Staged] = collections.deque()
         self._works: list = []
         self._send_error: str | None = None  # a send that failed (peer gone): ``finish`` reports it
         self._timeout_s = timeout_s
@@ -177,19 +402,54 @@ class CollectiveTransfer(GrpcTransfer):
     def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list[bytes]:
         if self._send_error is not None:
             return []  # the transfer already failed: nothing more leaves
-        data = data.contiguous()  # the one packed staging buffer of this piece (a copy of a strided view)
-        tag = self.pair.next_tag()
+        nbytes = data.numel() * data.element_size()
+        if self.pair.post_ahead and nbytes > SLOT_BYTES:  # one block of one layer above 4 MiB
+            raise TransferError(f"frame {i} of {self.request_id}: {nbytes} bytes, more than the collective "
+                                f"transport's receive slots ({SLOT_BYTES} bytes)")
+        if i + RECV_AHEAD > TAGS_PER_TRANSFER:
+            raise TransferError(f"{self.request_id}: more than {TAGS_PER_TRANSFER - RECV_AHEAD} frames in one transfer")
+        staged = None
+        if not data.is_contiguous():  # pack it: one copy into a reused staging buffer
+            buf = self._staging_buffer(nbytes)
+            if buf is None:
+                return []  # a send before it failed: ``finish`` reports it
+            staged = _Staged(buf)
+            packed = buf[:nbytes].view(data.dtype).view(data.shape)
+            packed.copy_(data)
+            data = packed
+            self._staged.append(staged)
+        tag = self._base + i
         header = FrameHeader(self.request_id, i, (layers.start, layers.stop), list(block_ids),
                              str(data.dtype).removeprefix("torch."), tuple(data.shape), checksum(data),
-                             data.numel() * data.element_size(), group=self.pair.name, tag=tag)
+                             nbytes, group=self.pair.name, tag=tag)
         if not self.post_on_thread:
-            self._post(header.pack(), data, tag)
+            self._post(header.pack(), data, tag, staged)
             return []
         if self._poster is None:
             self._poster = threading.Thread(target=self._post_loop, name=f"kv-post-{self.request_id}", daemon=True)
             self._poster.start()
-        self._posts.put((header.pack(), data, tag))
+        self._posts.put((header.pack(), data, tag, staged))
         return []  # the poster queues the header once the send is posted
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A staging buffer for the next packed piece: from the pool while fewer than ``STAGED``
+        are in flight, else the oldest one's, once its ``send`` completed (bounded by the
+        transfer's timeout; ``None`` if it failed)."""
+        if len(self._staged) < self.STAGED or nbytes > SLOT_BYTES:
+            return self._pool.take(nbytes)
+        oldest = self._staged.popleft()
+        timeout = self._timeout_s
+        if not oldest.posted.wait(timeout):
+            self._send_error = self._send_error or f"posting the sends over {self.pair.backend} timed out"
+        elif oldest.work is not None:
+            try:
+                oldest.work.wait(datetime.timedelta(seconds=timeout))
+            except Exception as exc:
+                self._send_error = self._send_error or f"send over {self.pair.backend} failed: {exc}"
+        if self._send_error is not None:
+            self.pair.broken = True
+            return None
+        return oldest.buf
 
     def _post_loop(self) -> None:
         while True:
@@ -198,18 +458,26 @@ class CollectiveTransfer(GrpcTransfer):
                 return
             self._post(*item)
 
-    def _post(self, header: bytes, data: torch.Tensor, tag: int) -> None:
-        """Post the piece's ``send``, then queue its header: the receiver posts the matching
-        ``recv`` when it reads the header."""
-        if self._send_error is not None or self.state is TransferState.FAILED:
-            return  # failed or aborted: nothing more leaves
+    def _post(self, header: bytes, data: torch.Tensor, tag: int, staged: _Staged | None = None) -> None:
+        """Post the piece's ``send``, then queue its header (gloo: the decode side has its receive
+        posted already, or posts it when the first header names the transfer's tags; NCCL: it
+        posts it when it reads the header)."""
         try:
-            self._works.append((self.pair.group.send([data], 0, tag), data))
-        except Exception as exc:  # the peer is gone: ``send`` never raises, ``finish`` does
-            self.pair.broken = True
-            self._send_error = f"send over {self.pair.backend} failed: {exc}"
-            return
-        self._q.put(header)
+            if self._send_error is not None or self.state is TransferState.FAILED:
+                return  # failed or aborted: nothing more leaves
+            try:
+                work = self.pair.group.send([data], 0, tag)
+            except Exception as exc:  # the peer is gone: ``send`` never raises, ``finish`` does
+                self.pair.broken = True
+                self._send_error = f"send over {self.pair.backend} failed: {exc}"
+                return
+            self._works.append((work, data))
+            if staged is not None:
+                staged.work = work
+            self._q.put(header)
+        finally:
+            if staged is not None:
+                staged.posted.set()
 
     def _drain_posts(self) -> None:
         """Wait (bounded by the transfer's timeout) until every piece handed over is posted."""
@@ -220,20 +488,36 @@ class CollectiveTransfer(GrpcTransfer):
         if self._poster.is_alive() and self._send_error is None:
             self._send_error = f"posting the sends over {self.pair.backend} timed out"
 
+    def _match_spare_receives(self) -> None:
+        """The decode side keeps receives posted beyond the last frame: match them with empty sends
+        (before the last header goes, so they have completed when the decode side looks)."""
+        if not self.pair.post_ahead or self._frames == 0 or self._send_error is not None:
+            return
+        try:
+            for j in range(RECV_AHEAD - 1):
+                self._works.append((self.pair.group.send([_EMPTY], 0, self._base + self._frames + j), _EMPTY))
+        except Exception as exc:
+            self._send_error = f"send over {self.pair.backend} failed: {exc}"
+
     def finish(self, first_token: int, first_logprob: float | None = None) -> int:
         self._drain_posts()
+        self._match_spare_receives()
         if self._send_error is not None:
             super().abort(self._send_error)
             self.pair.broken = True
             self._works.clear()
             raise TransferError(f"KV transfer of {self.request_id} failed: {self._send_error}")
         try:
-            return super().finish(first_token, first_logprob)
+            nbytes = super().finish(first_token, first_logprob)
         except TransferError:
             self.pair.broken = True  # unmatched sends may linger in this group: never reuse it
             raise
         finally:
             self._works.clear()
+        # The decode side verified every piece: every send is complete, the buffers are free.
+        self._pool.give([s.buf for s in self._staged])
+        self._staged.clear()
+        return nbytes
 
     def abort(self, reason: str = "aborted") -> None:
         self.pair.broken = True
@@ -245,6 +529,7 @@ class CollectiveKVSender(KVSender):
     """Prefill side: one process group per decode actor, built on first use, rebuilt after failure."""
 
     name = "collective"
+    post_ahead: bool | None = None  # as ``CollectiveKVReceiver.post_ahead``: both ends must agree
 
     def __init__(self, device: str | torch.device = "cpu", timeout_s: float = 30.0) -> None:
         self.device = torch.device(device)
@@ -254,6 +539,7 @@ class CollectiveKVSender(KVSender):
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._id = uuid.uuid4().hex[:12]
+        self._staging = _StagingPool(self.device)
         self._epochs = itertools.count()
 
     def _pair(self, destination: str) -> _Pair:
@@ -281,7 +567,8 @@ class CollectiveKVSender(KVSender):
             if not ack.ok or "group" not in result:
                 raise TransferError(f"could not set up a {self.backend} group with {control}: "
                                     f"{ack.error or result.get('error', 'timed out')}")
-            pair = _Pair(name, result["group"], self.backend)
+            post_ahead = self.post_ahead if self.post_ahead is not None else self.backend == "gloo"
+            pair = _Pair(name, result["group"], self.backend, post_ahead)
             self._pairs[destination] = pair
             return pair
 
@@ -295,7 +582,7 @@ class CollectiveKVSender(KVSender):
         except Exception as exc:
             raise TransferError(f"could not reach {destination}: {exc}") from None
         control = destination.split("|")[0]
-        return CollectiveTransfer(self._grpc._stub(control), request_id, timeout_s, pair)
+        return CollectiveTransfer(self._grpc._stub(control), request_id, timeout_s, pair, self._staging)
 
     def close(self) -> None:
         self._grpc.close()
