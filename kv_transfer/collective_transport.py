@@ -6,14 +6,20 @@ headers with layer range, block ids, dtype, shape, checksum, tag; the last frame
 one acknowledgement), and only tensor bytes go over the process group. So ordering, integrity
 checks, deadlines and leases are exactly the gRPC transport's, and the same tests apply.
 
+A piece (``[2, layers, blocks, ...]``) goes by two sends, its keys and its values, each straight
+from the caller's tensor when it is contiguous (a layer range of a ``[2, layers, ...]`` tensor is:
+no copy at all), else from one packed copy in a reused staging buffer. The checksum is the one of
+the whole piece, streamed over the two halves.
+
 Receives posted ahead (gloo): the data of a piece must never wait for its header. Each transfer
-owns a range of tags (frame ``i`` goes with tag ``base + i``), so once the first header names the
-range, the decode side keeps ``RECV_AHEAD`` receives posted for the frames to come, into reused
-buffers of ``SLOT_BYTES`` (no frame is larger; gloo lands a smaller send in a larger receive). A
+owns a range of tags (frame ``i``'s keys and values go with tags ``base + 2i`` and ``base + 2i + 1``),
+so once the first header names the range, the decode side keeps ``RECV_AHEAD`` frames' receives
+posted for the frames to come, into reused slots of ``SLOT_BYTES`` (keys in the first half,
+values in the second; no frame is larger, and gloo lands a smaller send in a larger receive). A
 piece then streams over the group as soon as the sender posts it, while its header is still on the
 control stream; the header only has to arrive before the verified piece is written. At ``finish``
 the sender matches the receives posted beyond the last frame with empty sends, so no receive is
-left dangling. NCCL needs the exact size of every receive, so on NCCL the receive of a piece is
+left dangling. NCCL needs the exact size of every receive, so on NCCL the receives of a piece are
 posted when its header arrives (``post_ahead=False``, which tests also run over gloo).
 
 Groups: each decode actor hosts a ``TCPStore`` for rendezvous. A prefill actor that first sends
@@ -42,6 +48,7 @@ import uuid
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
 from pdserve.kv_transfer.grpc_transport import (
@@ -58,13 +65,27 @@ logger = logging.getLogger(__name__)
 
 RECV_AHEAD = 4  # receives a decode-side stream keeps posted ahead of its headers (gloo)
 SLOT_BYTES = MAX_FRAME_BYTES  # the size of each of them: no frame is larger
-TAGS_PER_TRANSFER = 1 << 16  # a transfer's tag range: frame i goes with tag base + i
+HALF_BYTES = SLOT_BYTES // 2  # a slot's keys land in its first half, its values in the second
+TAGS_PER_TRANSFER = 1 << 16  # a transfer's tag range: frame i's keys and values go with tags base + 2i, +1
 _TRANSFER_RANGES = 1 << 15  # tag ranges of a group before they wrap (2**31 tags in all)
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # what the sends that match spare receives carry
 
 
 def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _halves_checksum(k: torch.Tensor, v: torch.Tensor) -> int:
+    """``wire.checksum`` of a piece from its two contiguous halves (keys, values), without joining
+    them: XXH3-64 streamed over both on CPU; on CUDA the word sums add up."""
+    if k.is_cuda:
+        if (k.numel() * k.element_size()) % 4 == 0:
+            return (checksum(k) + checksum(v)) & 0xFFFFFFFFFFFFFFFF
+        return checksum(torch.cat([k.reshape(-1), v.reshape(-1)]))
+    h = xxhash.xxh3_64()
+    for half in (k, v):
+        h.update(half.reshape(-1).view(torch.uint8).numpy())
+    return h.intdigest()
 
 
 def _new_group(store: dist.Store, prefix: str, rank: int, backend: str, timeout_s: float):
@@ -79,7 +100,8 @@ def _new_group(store: dist.Store, prefix: str, rank: int, backend: str, timeout_
 
 class _Inbox:
     """One control stream's receives posted ahead of its headers: frame ``i`` lands in
-    ``bufs[i % RECV_AHEAD]`` under tag ``base + i``. Frames ``0 .. RECV_AHEAD-1`` are posted when the
+    ``bufs[i % RECV_AHEAD]``, keys in its first half (tag ``base + 2i``), values in its second
+    (tag ``base + 2i + 1``). Frames ``0 .. RECV_AHEAD-1`` are posted when the
     first header names ``base``; each later one when the frame ``RECV_AHEAD`` before it (same buffer)
     is written, that is when the stream's lander starts on the next frame. So after ``F`` frames
     the receives of frames ``F .. F+RECV_AHEAD-2`` are spare: the sender matches them with empty
@@ -100,13 +122,23 @@ class _Inbox:
 
     def post_next(self) -> None:
         j = self.posted % RECV_AHEAD
-        self.works[j] = self.group.recv([self.bufs[j]], 1, self.base + self.posted)
+        buf, tag = self.bufs[j], self.base + 2 * self.posted
+        self.works[j] = (self.group.recv([buf[:HALF_BYTES]], 1, tag), self.group.recv([buf[HALF_BYTES:]], 1, tag + 1))
         self.posted += 1
+
+    def view(self, i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Frame ``i`` as a ``[2, ...]`` tensor over its slot: keys at 0, values at ``HALF_BYTES``."""
+        typed = self.bufs[i % RECV_AHEAD].view(dtype)
+        inner = [1] * (len(shape) - 1)
+        for d in range(len(shape) - 2, 0, -1):
+            inner[d - 1] = inner[d] * shape[d + 1]
+        return typed.as_strided(shape, (HALF_BYTES // dtype.itemsize, *inner))
 
     def drain(self, timeout: datetime.timedelta) -> None:
         """Wait for the spare receives (matched by the sender's empty sends)."""
         for f in range(self.landed, self.posted):
-            self.works[f % RECV_AHEAD].wait(timeout)
+            for work in self.works[f % RECV_AHEAD]:
+                work.wait(timeout)
         self.settled = True
 
 
@@ -197,6 +229,8 @@ class CollectiveKVReceiver(KVReceiver):
             count *= d
         if count * dtype.itemsize != h.n:
             raise ValueError(f"frame {h.i} of {h.rid}: shape {h.shape} does not match {h.n} bytes")
+        if not h.shape or h.shape[0] != 2:
+            raise ValueError(f"frame {h.i} of {h.rid}: shape {h.shape} is not [2 (keys, values), ...]")
         return group, dtype
 
     def _fetch(self, h: FrameHeader, raw: None):
@@ -218,10 +252,10 @@ class CollectiveKVReceiver(KVReceiver):
         inbox = getattr(self._staging, "inbox", None)
         if inbox is None or inbox.rid != h.rid or inbox.group is not group:
             raise ValueError(f"frame {h.i} of {h.rid}: no receives posted for this stream")
-        if h.tag != inbox.base + h.i:
-            raise ValueError(f"frame {h.i} of {h.rid}: tag {h.tag}, expected {inbox.base + h.i}")
+        if h.tag != inbox.base + 2 * h.i:
+            raise ValueError(f"frame {h.i} of {h.rid}: tag {h.tag}, expected {inbox.base + 2 * h.i}")
         j = h.i % RECV_AHEAD
-        buf = inbox.bufs[j][:h.n].view(dtype).view(h.shape)
+        data = inbox.view(h.i, dtype, h.shape)
 
         def finish() -> torch.Tensor:
             if h.i > 0:  # frame i-1 is written: its buffer takes the receive of frame i-1+RECV_AHEAD
@@ -229,9 +263,11 @@ class CollectiveKVReceiver(KVReceiver):
                     inbox.post_next()
                 except RuntimeError as exc:
                     raise self._broken(h, exc) from None
-            self._wait(h, inbox.works[j])
+            for work in inbox.works[j]:
+                self._wait(h, work)
             inbox.landed = h.i + 1
-            return self._verified(h, buf)
+            self._verify(h, data[0], data[1])
+            return data
 
         return finish
 
@@ -283,13 +319,15 @@ class CollectiveKVReceiver(KVReceiver):
             ring[slot] = torch.empty(h.n, dtype=torch.uint8, device=self.device)
         buf = ring[slot][:h.n].view(dtype).view(h.shape)
         try:
-            work = group.recv([buf], 1, h.tag)
+            works = [group.recv([buf[0]], 1, h.tag), group.recv([buf[1]], 1, h.tag + 1)]
         except RuntimeError as exc:
             raise self._broken(h, exc) from None
 
         def finish() -> torch.Tensor:
-            self._wait(h, work)
-            return self._verified(h, buf)
+            for work in works:
+                self._wait(h, work)
+            self._verify(h, buf[0], buf[1])
+            return buf
 
         return finish
 
@@ -300,11 +338,10 @@ class CollectiveKVReceiver(KVReceiver):
             raise self._broken(h, exc) from None
 
     @staticmethod
-    def _verified(h: FrameHeader, buf: torch.Tensor) -> torch.Tensor:
-        got = checksum(buf)
+    def _verify(h: FrameHeader, keys: torch.Tensor, values: torch.Tensor) -> None:
+        got = _halves_checksum(keys, values)
         if got != h.crc:
             raise ValueError(f"frame {h.i} of {h.rid}: checksum mismatch ({got:#x} != {h.crc:#x})")
-        return buf
 
     def _broken(self, h: FrameHeader, exc: Exception) -> ValueError:
         with self._lock:
@@ -365,23 +402,23 @@ class _StagingPool:
 
 
 class _Staged:
-    """A packed piece on its way: its staging buffer, and its ``send`` once the poster posted it."""
+    """A packed piece on its way: its staging buffer, and its sends once the poster posted them."""
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
-        self.work = None
+        self.works: list = []
         self.posted = threading.Event()  # set when posted, or skipped (the transfer failed)
 
 
 class CollectiveTransfer(GrpcTransfer):
     """A gRPC control stream whose frames carry headers only; the data goes by ``send``.
 
-    The caller's thread packs each piece into its staging buffer and checksums it; a thread of the
-    transfer's own (the poster) then posts the piece's ``send`` and, right after it, queues its
-    header, in frame order. gloo writes a piece into the socket inside ``send`` itself when the
-    receiver's ``recv`` is already posted (milliseconds per piece), so on the caller's thread those
-    writes would stall the prefill compute and the packing of the next piece; on the poster they
-    overlap both. (On CUDA the checksum reads the packed buffer back to the host, so the buffer is
+    The caller's thread checksums each piece (packing it first only when its keys or values are not
+    contiguous); a thread of the transfer's own (the poster) then posts the piece's two sends and,
+    right after them, queues its header, in frame order. gloo writes a piece into the socket inside
+    ``send`` itself when the receiver's ``recv`` is already posted (milliseconds per piece), so on
+    the caller's thread those writes would stall the prefill compute and the next piece; on the
+    poster they overlap both. (On CUDA the checksum reads back to the host, so a packed buffer is
     complete before the poster sees it.)"""
 
     post_on_thread = True  # False: post on the caller's thread (for A/B measurements only)
@@ -406,30 +443,35 @@ class CollectiveTransfer(GrpcTransfer):
         if self.pair.post_ahead and nbytes > SLOT_BYTES:  # one block of one layer above 4 MiB
             raise TransferError(f"frame {i} of {self.request_id}: {nbytes} bytes, more than the collective "
                                 f"transport's receive slots ({SLOT_BYTES} bytes)")
-        if i + RECV_AHEAD > TAGS_PER_TRANSFER:
-            raise TransferError(f"{self.request_id}: more than {TAGS_PER_TRANSFER - RECV_AHEAD} frames in one transfer")
-        staged = None
-        if not data.is_contiguous():  # pack it: one copy into a reused staging buffer
+        if 2 * (i + RECV_AHEAD) > TAGS_PER_TRANSFER:
+            raise TransferError(f"{self.request_id}: more than {TAGS_PER_TRANSFER // 2 - RECV_AHEAD} frames in one transfer")
+        if data.dim() == 0 or data.shape[0] != 2:
+            raise TransferError(f"{self.request_id}: a piece is [2 (keys, values), layers, blocks, ...], not {tuple(data.shape)}")
+        # The keys and the values go by one send each, straight from the caller's tensor when each
+        # half is contiguous (a layer range of a [2, layers, ...] tensor, or a packed piece);
+        # otherwise the piece is packed first, in one copy into a reused staging buffer.
+        halves, staged = (data[0], data[1]), None
+        if not (halves[0].is_contiguous() and halves[1].is_contiguous()):
             buf = self._staging_buffer(nbytes)
             if buf is None:
                 return []  # a send before it failed: ``finish`` reports it
             staged = _Staged(buf)
             packed = buf[:nbytes].view(data.dtype).view(data.shape)
             packed.copy_(data)
-            data = packed
+            halves = (packed[0], packed[1])
             self._staged.append(staged)
-        tag = self._base + i
+        tag = self._base + 2 * i
         header = FrameHeader(self.request_id, i, (layers.start, layers.stop), list(block_ids),
-                             str(data.dtype).removeprefix("torch."), tuple(data.shape), checksum(data),
+                             str(data.dtype).removeprefix("torch."), tuple(data.shape), _halves_checksum(*halves),
                              nbytes, group=self.pair.name, tag=tag)
         if not self.post_on_thread:
-            self._post(header.pack(), data, tag, staged)
+            self._post(header.pack(), halves, tag, staged)
             return []
         if self._poster is None:
             self._poster = threading.Thread(target=self._post_loop, name=f"kv-post-{self.request_id}", daemon=True)
             self._poster.start()
-        self._posts.put((header.pack(), data, tag, staged))
-        return []  # the poster queues the header once the send is posted
+        self._posts.put((header.pack(), halves, tag, staged))
+        return []  # the poster queues the header once the sends are posted
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor | None:
         """A staging buffer for the next packed piece: from the pool while fewer than ``STAGED``
@@ -441,9 +483,10 @@ class CollectiveTransfer(GrpcTransfer):
         timeout = self._timeout_s
         if not oldest.posted.wait(timeout):
             self._send_error = self._send_error or f"posting the sends over {self.pair.backend} timed out"
-        elif oldest.work is not None:
+        else:
             try:
-                oldest.work.wait(datetime.timedelta(seconds=timeout))
+                for work in oldest.works:
+                    work.wait(datetime.timedelta(seconds=timeout))
             except Exception as exc:
                 self._send_error = self._send_error or f"send over {self.pair.backend} failed: {exc}"
         if self._send_error is not None:
@@ -458,22 +501,23 @@ class CollectiveTransfer(GrpcTransfer):
                 return
             self._post(*item)
 
-    def _post(self, header: bytes, data: torch.Tensor, tag: int, staged: _Staged | None = None) -> None:
-        """Post the piece's ``send``, then queue its header (gloo: the decode side has its receive
-        posted already, or posts it when the first header names the transfer's tags; NCCL: it
-        posts it when it reads the header)."""
+    def _post(self, header: bytes, halves: tuple[torch.Tensor, torch.Tensor], tag: int,
+              staged: _Staged | None = None) -> None:
+        """Post the piece's two sends (keys, values), then queue its header (gloo: the decode side
+        has its receives posted already, or posts them when the first header names the transfer's
+        tags; NCCL: it posts them when it reads the header)."""
         try:
             if self._send_error is not None or self.state is TransferState.FAILED:
                 return  # failed or aborted: nothing more leaves
             try:
-                work = self.pair.group.send([data], 0, tag)
+                works = [self.pair.group.send([half], 0, tag + k) for k, half in enumerate(halves)]
             except Exception as exc:  # the peer is gone: ``send`` never raises, ``finish`` does
                 self.pair.broken = True
                 self._send_error = f"send over {self.pair.backend} failed: {exc}"
                 return
-            self._works.append((work, data))
+            self._works.append((works, halves))
             if staged is not None:
-                staged.work = work
+                staged.works = works
             self._q.put(header)
         finally:
             if staged is not None:
@@ -494,8 +538,9 @@ class CollectiveTransfer(GrpcTransfer):
         if not self.pair.post_ahead or self._frames == 0 or self._send_error is not None:
             return
         try:
-            for j in range(RECV_AHEAD - 1):
-                self._works.append((self.pair.group.send([_EMPTY], 0, self._base + self._frames + j), _EMPTY))
+            first = self._base + 2 * self._frames
+            for tag in range(first, first + 2 * (RECV_AHEAD - 1)):
+                self._works.append((self.pair.group.send([_EMPTY], 0, tag), _EMPTY))
         except Exception as exc:
             self._send_error = f"send over {self.pair.backend} failed: {exc}"
 

@@ -1,6 +1,7 @@
 """The collective transport's own mechanics, over gloo: receives posted ahead of the headers, the
-spare receives matched at the end, reused receive and staging buffers, a fresh group after a
-failure, and the receive-on-header path that NCCL uses (run here over gloo).
+spare receives matched at the end, keys and values sent without a copy, reused receive and staging
+buffers, a fresh group after a failure, and the receive-on-header path that NCCL uses (run here
+over gloo).
 
 The transport contract itself (integrity, stalls, aborts, vanished peers) is ``test_transport.py``,
 which runs against this transport too.
@@ -35,35 +36,51 @@ def ends():
         receiver.stop()
 
 
-def push_views(sender, receiver, sink, rid: str, num_blocks: int, seed: int, group: int = 1) -> torch.Tensor:
-    """One transfer of layer-range VIEWS of a ``[2, layers, blocks, ...]`` tensor (strided, as the
-    benchmark sends them), ``group`` layers per piece; returns the data sent."""
+def push_views(sender, receiver, sink, rid: str, num_blocks: int, seed: int, group: int = 1,
+               blocks: slice = slice(None)) -> torch.Tensor:
+    """One transfer of VIEWS of a ``[2, layers, blocks, ...]`` tensor (strided, as the benchmark
+    sends them): ``group`` layers per piece, the ``blocks`` of each; returns the data sent."""
     dest = sink.reserve(rid, num_blocks)
     data = random_kv(NUM_LAYERS, num_blocks, seed=seed)
     t = sender.open(rid, receiver.address, NUM_LAYERS, num_blocks, timeout_s=10)
+    ids = list(range(num_blocks))[blocks]
     for lo in range(0, NUM_LAYERS, group):
-        piece = data[:, lo:lo + group]
+        piece = data[:, lo:lo + group, blocks]
         assert not piece.is_contiguous()
-        t.send(range(lo, lo + group), dest, piece)
+        t.send(range(lo, lo + group), [dest[b] for b in ids], piece)
+    if ids != list(range(num_blocks)):  # the other blocks, as one contiguous piece
+        rest = [b for b in range(num_blocks) if b not in ids]
+        t.send(range(0, NUM_LAYERS), [dest[b] for b in rest], data[:, :, rest])
     bounded(lambda: t.finish(7))
     assert sink.completed[rid] == (7, None)
     assert sink.kv.export_blocks(dest).equal(data)
     return data
 
 
-def test_strided_pieces_arrive_exact_and_every_buffer_is_reused(ends):
+def test_layer_range_views_go_without_a_copy_and_receive_buffers_are_reused(ends):
+    """The keys and the values of a layer range of a ``[2, layers, ...]`` tensor are contiguous
+    each: they are sent as they are (nothing packed), and the decode side reuses its buffers."""
     sink = RecordingSink(num_blocks=64)
     sender, receiver = ends(sink)
     push_views(sender, receiver, sink, "r0", 5, seed=0)
-    staging = {b.data_ptr() for b in sender._staging._free}
+    assert not sender._staging._free, "nothing was packed"
     receiving = [[b.data_ptr() for b in bufs] for bufs in receiver._free]
-    assert staging, "the packed pieces' staging buffers went back to the pool"
     assert len(receiving) == 1, "the stream's receive buffers went back once its spare receives completed"
     for n in range(1, 4):
         push_views(sender, receiver, sink, f"r{n}", 5, seed=n)
-    assert {b.data_ptr() for b in sender._staging._free} == staging
     assert [[b.data_ptr() for b in bufs] for bufs in receiver._free] == receiving
     assert not any(receiver._parked.values())
+
+
+def test_pieces_with_strided_halves_are_packed_into_reused_staging_buffers(ends):
+    sink = RecordingSink(num_blocks=64)
+    sender, receiver = ends(sink)
+    push_views(sender, receiver, sink, "p0", 6, seed=0, group=2, blocks=slice(1, 4))
+    staging = {b.data_ptr() for b in sender._staging._free}
+    assert staging, "the packed pieces' staging buffers went back to the pool"
+    for n in range(1, 3):
+        push_views(sender, receiver, sink, f"p{n}", 6, seed=n, group=2, blocks=slice(1, 4))
+    assert {b.data_ptr() for b in sender._staging._free} == staging
 
 
 def test_more_frames_than_receives_posted_ahead_and_pieces_of_every_size(ends):
