@@ -103,7 +103,7 @@ class _Inbox:
     ``bufs[i % RECV_AHEAD]``, keys in its first half (tag ``base + 2i``), values in its second
     (tag ``base + 2i + 1``). Frames ``0 .. RECV_AHEAD-1`` are posted when the
     first header names ``base``; each later one when the frame ``RECV_AHEAD`` before it (same buffer)
-    is written, that is when the stream's lander starts on the next frame. So after ``F`` frames
+    is written, that is when the stream takes the next frame. So after ``F`` frames
     the receives of frames ``F .. F+RECV_AHEAD-2`` are spare: the sender matches them with empty
     sends at ``finish``, and ``drain`` waits for those before the buffers serve another stream."""
 
@@ -234,8 +234,10 @@ class CollectiveKVReceiver(KVReceiver):
         return group, dtype
 
     def _fetch(self, h: FrameHeader, raw: None):
-        """Take frame ``h``: return the function that waits for its data and verifies it (run by the
-        stream's ``_Lander``, in frame order, while the stream's thread reads the next header)."""
+        """Take frame ``h``: with receives posted ahead, its verified data (the stream's thread
+        writes it); on the receive-on-header path, the function that waits for it and verifies it
+        (run by the stream's ``_Lander``, in frame order, while the stream's thread reads the next
+        header and posts the next receives)."""
         group, dtype = self._check(h)
         if self.post_ahead:
             return self._fetch_posted(h, group, dtype)
@@ -254,22 +256,20 @@ class CollectiveKVReceiver(KVReceiver):
             raise ValueError(f"frame {h.i} of {h.rid}: no receives posted for this stream")
         if h.tag != inbox.base + 2 * h.i:
             raise ValueError(f"frame {h.i} of {h.rid}: tag {h.tag}, expected {inbox.base + 2 * h.i}")
-        j = h.i % RECV_AHEAD
+        # Landed here, on the stream's thread, in frame order: the data of the next frames keeps
+        # arriving meanwhile into the receives posted ahead (gloo's own thread reads the socket),
+        # so a landing thread of its own would only add a thread start and a hand-off per piece.
+        if h.i > 0:  # frame i-1 is written: its buffer takes the receives of frame i-1+RECV_AHEAD
+            try:
+                inbox.post_next()
+            except RuntimeError as exc:
+                raise self._broken(h, exc) from None
+        for work in inbox.works[h.i % RECV_AHEAD]:
+            self._wait(h, work)
+        inbox.landed = h.i + 1
         data = inbox.view(h.i, dtype, h.shape)
-
-        def finish() -> torch.Tensor:
-            if h.i > 0:  # frame i-1 is written: its buffer takes the receive of frame i-1+RECV_AHEAD
-                try:
-                    inbox.post_next()
-                except RuntimeError as exc:
-                    raise self._broken(h, exc) from None
-            for work in inbox.works[j]:
-                self._wait(h, work)
-            inbox.landed = h.i + 1
-            self._verify(h, data[0], data[1])
-            return data
-
-        return finish
+        self._verify(h, data[0], data[1])
+        return data
 
     def _buffers(self) -> list[torch.Tensor]:
         """Receive buffers for a new stream: a set that an ended stream gave back, else fresh ones."""
