@@ -33,7 +33,7 @@ import torch
 
 from pdserve.internal import kv_transfer_pb2 as pb
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
-from pdserve.kv_transfer.wire import FrameHeader, decode_piece, encode_piece, frame_message, split_frame
+from pdserve.kv_transfer.wire import _DTYPES, FrameHeader, decode_piece, encode_piece, frame_message, split_frame
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +286,8 @@ class GrpcTransfer(Transfer):
             item = self._q.get()
             if item is _END:
                 return
-            if isinstance(item, tuple):  # (header, parts): the message is built as gRPC takes it
-                item = frame_message(*item)
+            if isinstance(item, tuple):  # a piece: its frame is encoded as gRPC takes it
+                item = frame_message(*encode_piece(*item))
             yield item
 
     def send(self, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
@@ -302,15 +302,20 @@ class GrpcTransfer(Transfer):
                 self._q.put(message)
 
     def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list:
-        """The stream message of frame ``i``: its header (with the checksum, computed here on the
-        caller's thread) and views of its bytes. gRPC's thread builds the message from them (one
-        copy) when it takes the frame: so only the frame or two in flight have a message buffer,
-        malloc reuses the same few megabytes (a push of 30 frames built ahead held 94 MB of fresh
-        pages, which the main heap gave back and page-faulted in again on every push: a tenth of
-        the sender's CPU), the message is still in cache when gRPC copies it, and the caller (the
-        prefill worker's engine thread) only reads its piece once. ``send``'s contract (the caller
-        does not modify the piece) is what makes holding views until then safe."""
-        return [encode_piece(self.request_id, i, layers, block_ids, data)]
+        """Frame ``i``, to be encoded on gRPC's request thread when it takes the frame: header,
+        checksum and message (one copy of the piece) are made there, not on the caller's thread.
+
+        So only the frame or two in flight have a message buffer, and malloc reuses the same few
+        megabytes (a push of 30 frames built ahead held 94 MB of fresh pages, which the main heap
+        gave back and page-faulted in again on every push: a tenth of the sender's CPU); the
+        message is still in cache when gRPC copies it; and the caller (the prefill worker's engine
+        thread, between layers) only queues the piece. Checksumming on the caller held the GIL
+        while gRPC's thread waited for it, which delayed a push's first frame by milliseconds.
+        ``send``'s contract (the caller does not modify the piece) makes holding it until then
+        safe."""
+        if str(data.dtype).removeprefix("torch.") not in _DTYPES:
+            raise TransferError(f"KV of dtype {data.dtype} cannot be sent; use one of {', '.join(_DTYPES)}")
+        return [(self.request_id, i, layers, block_ids, data)]
 
     def finish(self, first_token: int, first_logprob: float | None = None) -> int:
         last = FrameHeader(self.request_id, self._frames, last=True, frames=self._frames,

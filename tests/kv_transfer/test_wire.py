@@ -68,3 +68,19 @@ def test_damaged_messages_are_refused_with_a_reason():
     h, raw = split_frame(bytes(flipped))
     with pytest.raises(ValueError, match="checksum mismatch"):
         decode_piece(h, raw)
+
+
+def test_the_grpc_sender_refuses_a_dtype_the_wire_cannot_carry_at_send():
+    """Frames are encoded on gRPC's thread later, so ``send`` itself checks what it can: the error
+    reaches the caller at once, not as a failed stream."""
+    from pdserve.kv_transfer.base import TransferError
+    from pdserve.kv_transfer.grpc_transport import GrpcKVSender
+
+    sender = GrpcKVSender()
+    try:
+        t = sender.open("req", "127.0.0.1:9", 1, 1, timeout_s=2)
+        with pytest.raises(TransferError, match="dtype torch.int64 cannot be sent"):
+            t.send(range(0, 1), [0], torch.zeros((2, 1, 1, 4, 2, 8), dtype=torch.int64))
+        t.abort()
+    finally:
+        sender.close()
