@@ -98,6 +98,32 @@ def _new_group(store: dist.Store, prefix: str, rank: int, backend: str, timeout_
     return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
 
 
+class _Group:
+    """A process group the decode side joined, with the posted receives of its failed streams.
+    Those stay alive as long as the group object does (streams still running on it hold it): gloo
+    may still land data in them, and data arriving for a receive that was dropped derails the
+    pair for every later receive."""
+
+    def __init__(self, name: str, pg) -> None:
+        self.name = name
+        self.pg = pg
+        # (receives, buffers) of failed streams: no reference back here, so that a group is freed
+        # when its last user lets go, never later by the garbage collector (a gloo group freed at
+        # a random moment, say inside a fork, may hang joining its threads).
+        self.parked: list[tuple] = []
+
+
+class _StreamState:
+    """What the collective receiver keeps for the control stream a thread serves."""
+
+    __slots__ = ("group", "inbox", "ring")
+
+    def __init__(self) -> None:
+        self.group: _Group | None = None
+        self.inbox: _Inbox | None = None
+        self.ring: list | None = None
+
+
 class _Inbox:
     """One control stream's receives posted ahead of its headers: frame ``i`` lands in
     ``bufs[i % RECV_AHEAD]``, keys in its first half (tag ``base + 2i``), values in its second
@@ -107,9 +133,8 @@ class _Inbox:
     the receives of frames ``F .. F+RECV_AHEAD-2`` are spare: the sender matches them with empty
     sends at ``finish``, and ``drain`` waits for those before the buffers serve another stream."""
 
-    def __init__(self, rid: str, group_name: str, group, base: int, bufs: list[torch.Tensor]) -> None:
+    def __init__(self, rid: str, group: _Group, base: int, bufs: list[torch.Tensor]) -> None:
         self.rid = rid
-        self.group_name = group_name
         self.group = group
         self.base = base
         self.bufs = bufs
@@ -123,7 +148,8 @@ class _Inbox:
     def post_next(self) -> None:
         j = self.posted % RECV_AHEAD
         buf, tag = self.bufs[j], self.base + 2 * self.posted
-        self.works[j] = (self.group.recv([buf[:HALF_BYTES]], 1, tag), self.group.recv([buf[HALF_BYTES:]], 1, tag + 1))
+        pg = self.group.pg
+        self.works[j] = (pg.recv([buf[:HALF_BYTES]], 1, tag), pg.recv([buf[HALF_BYTES:]], 1, tag + 1))
         self.posted += 1
 
     def view(self, i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -185,14 +211,13 @@ class CollectiveKVReceiver(KVReceiver):
         self.land_depth = land_depth
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        self._groups: dict[str, object] = {}
-        self._parked: dict[str, list[_Inbox]] = {}  # inboxes of failed streams, kept until their group goes
+        self._groups: dict[str, _Group] = {}
         self._free: list[list[torch.Tensor]] = []  # receive buffers that ended streams gave back
         self._lock = threading.Lock()
         # Per control-stream thread (a stream is served by one thread at a time): the stream's
         # ``_Inbox`` (post_ahead), or a ring of ``land_depth + 2`` receive buffers (NCCL). Buffers
         # are reused stream after stream (fresh ones would page-fault megabytes in every time).
-        self._staging = threading.local()
+        self._streams: dict[int, _StreamState] = {}  # by thread id; cleared by ``stop``
         self._grpc = GrpcKVReceiver(_SinkHooks(sink, self), host=host, fetch=self._fetch, on_join=self._join,
                                     timeout_s=timeout_s, land_depth=land_depth)
         self._host = host
@@ -203,7 +228,7 @@ class CollectiveKVReceiver(KVReceiver):
         return f"{self._grpc.address}|{self._host}:{self._store.port}"
 
     def _join(self, h: FrameHeader) -> None:
-        group = _new_group(self._store, h.store, 0, self.backend, self.timeout_s)
+        group = _Group(h.group, _new_group(self._store, h.store, 0, self.backend, self.timeout_s))
         sender = h.group.rsplit("-", 1)[0]
         with self._lock:
             # The sender builds a new group only after its previous one with us failed: drop those
@@ -212,15 +237,26 @@ class CollectiveKVReceiver(KVReceiver):
                 self._drop(name)
             self._groups[h.group] = group
 
-    def _drop(self, name: str) -> None:
-        self._groups.pop(name, None)
-        self._parked.pop(name, None)
-
-    def _check(self, h: FrameHeader):
+    def _stream(self) -> _StreamState:
         with self._lock:
-            group = self._groups.get(h.group)
-        if group is None:
-            raise ValueError(f"unknown process group {h.group!r} (the decode actor restarted?)")
+            return self._streams.setdefault(threading.get_ident(), _StreamState())
+
+    def _drop(self, name: str) -> None:
+        self._groups.pop(name, None)  # streams still running on it keep it (and its parked receives)
+
+    def _check(self, h: FrameHeader) -> tuple[_Group, torch.dtype]:
+        """The stream's group and the frame's dtype, after checking its shape and size. The group
+        is looked up at the stream's first frame and kept: if it is dropped meanwhile (its sender
+        rebuilt it after another stream failed), the streams that run on it still finish."""
+        st = self._stream()
+        if h.i == 0:
+            with self._lock:
+                st.group = self._groups.get(h.group)
+            if st.group is None:
+                raise ValueError(f"unknown process group {h.group!r} (the decode actor restarted?)")
+        group = st.group
+        if group is None or group.name != h.group:
+            raise ValueError(f"frame {h.i} of {h.rid}: process group {h.group!r} is not its stream's")
         if h.dtype not in _DTYPES:
             raise ValueError(f"frame {h.i} of {h.rid}: unknown dtype {h.dtype!r}")
         dtype = _DTYPES[h.dtype]
@@ -243,15 +279,15 @@ class CollectiveKVReceiver(KVReceiver):
             return self._fetch_posted(h, group, dtype)
         return self._fetch_on_header(h, group, dtype)
 
-    def _fetch_posted(self, h: FrameHeader, group, dtype: torch.dtype):
+    def _fetch_posted(self, h: FrameHeader, group: _Group, dtype: torch.dtype):
         if h.n > SLOT_BYTES:
             raise ValueError(f"frame {h.i} of {h.rid}: {h.n} bytes, more than a receive slot ({SLOT_BYTES})")
         if h.i == 0:  # a new stream on this thread: post its receives ahead
             try:
-                self._staging.inbox = _Inbox(h.rid, h.group, group, h.tag, self._buffers())
+                self._stream().inbox = _Inbox(h.rid, group, h.tag, self._buffers())
             except RuntimeError as exc:
                 raise self._broken(h, exc) from None
-        inbox = getattr(self._staging, "inbox", None)
+        inbox = self._stream().inbox
         if inbox is None or inbox.rid != h.rid or inbox.group is not group:
             raise ValueError(f"frame {h.i} of {h.rid}: no receives posted for this stream")
         if h.tag != inbox.base + 2 * h.i:
@@ -273,53 +309,61 @@ class CollectiveKVReceiver(KVReceiver):
 
     def _buffers(self) -> list[torch.Tensor]:
         """Receive buffers for a new stream: a set that an ended stream gave back, else fresh ones."""
-        prev = getattr(self._staging, "inbox", None)
+        st = self._stream()
+        prev, st.inbox = st.inbox, None
         if prev is not None:  # (a stream ends through ``_stream_done``/``_stream_failed``: not seen)
-            self._staging.inbox = None
             self._park(prev)
         with self._lock:
             if self._free:
                 return self._free.pop()
         return [torch.empty(SLOT_BYTES, dtype=torch.uint8, device=self.device) for _ in range(RECV_AHEAD)]
 
+    PARKED_LIMIT = 4  # failed streams' receive buffers (16 MiB each) kept before groups are let go
+
     def _park(self, inbox: _Inbox) -> None:
-        """Keep a failed stream's posted receives (and buffers) alive as long as their group: gloo
-        may still land data in them."""
+        """Keep a failed stream's posted receives (and buffers) alive as long as their group. Its
+        sender never sends over that group again (a failure makes it build a new one), so past
+        ``PARKED_LIMIT`` the oldest such groups are let go (a sender that died never joins
+        again to replace them)."""
         with self._lock:
-            if inbox.group_name in self._groups:
-                self._parked.setdefault(inbox.group_name, []).append(inbox)
+            inbox.group.parked.append((inbox.works, inbox.bufs))
+            failed = [g for g in self._groups.values() if g.parked]
+            while sum(len(g.parked) for g in failed) > self.PARKED_LIMIT and failed:
+                self._drop(failed.pop(0).name)
 
     def _stream_done(self, rid: str) -> None:
         """The stream's last frame arrived, every piece landed: wait for its spare receives."""
-        inbox = getattr(self._staging, "inbox", None)
+        st = self._stream()
+        inbox = st.inbox
         if inbox is None or inbox.rid != rid or inbox.settled:
             return
-        self._staging.inbox = None
+        st.inbox = None
         try:
             inbox.drain(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             with self._lock:
-                self._drop(inbox.group_name)
+                self._drop(inbox.group.name)
             raise ValueError(f"{rid}: the receives after the last frame did not complete: {exc}") from None
         with self._lock:
             self._free.append(inbox.bufs)
 
     def _stream_failed(self, rid: str) -> None:
-        inbox = getattr(self._staging, "inbox", None)
+        st = self._stream()
+        inbox = st.inbox
         if inbox is not None and inbox.rid == rid and not inbox.settled:
-            self._staging.inbox = None
+            st.inbox = None
             self._park(inbox)
 
-    def _fetch_on_header(self, h: FrameHeader, group, dtype: torch.dtype):
+    def _fetch_on_header(self, h: FrameHeader, group: _Group, dtype: torch.dtype):
         if h.i == 0:  # a new stream on this thread: a fresh ring (a failed stream's receives may
-            self._staging.ring = [None] * (self.land_depth + 2)  # still land in the old one)
-        ring = self._staging.ring
+            self._stream().ring = [None] * (self.land_depth + 2)  # still land in the old one)
+        ring = self._stream().ring
         slot = h.i % len(ring)
         if ring[slot] is None or ring[slot].numel() < h.n:
             ring[slot] = torch.empty(h.n, dtype=torch.uint8, device=self.device)
         buf = ring[slot][:h.n].view(dtype).view(h.shape)
         try:
-            works = [group.recv([buf[0]], 1, h.tag), group.recv([buf[1]], 1, h.tag + 1)]
+            works = [group.pg.recv([buf[0]], 1, h.tag), group.pg.recv([buf[1]], 1, h.tag + 1)]
         except RuntimeError as exc:
             raise self._broken(h, exc) from None
 
@@ -352,8 +396,8 @@ class CollectiveKVReceiver(KVReceiver):
         self._grpc.stop()
         with self._lock:
             self._groups.clear()
-            self._parked.clear()
             self._free.clear()
+            self._streams.clear()
 
 
 class _Pair:

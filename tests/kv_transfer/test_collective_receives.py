@@ -69,7 +69,7 @@ def test_layer_range_views_go_without_a_copy_and_receive_buffers_are_reused(ends
     for n in range(1, 4):
         push_views(sender, receiver, sink, f"r{n}", 5, seed=n)
     assert [[b.data_ptr() for b in bufs] for bufs in receiver._free] == receiving
-    assert not any(receiver._parked.values())
+    assert not any(g.parked for g in receiver._groups.values())
 
 
 def test_pieces_with_strided_halves_are_packed_into_reused_staging_buffers(ends):
@@ -124,7 +124,7 @@ def test_after_a_failed_transfer_a_new_group_carries_the_next_one(ends, monkeypa
     push_views(sender, receiver, sink, "after", 3, seed=3)
     assert next(iter(sender._pairs.values())).name != first_group
     assert list(receiver._groups) == [next(iter(sender._pairs.values())).name], "the failed group was dropped"
-    assert not receiver._parked
+    assert not any(g.parked for g in receiver._groups.values())
 
 
 def test_the_receive_on_header_path_that_nccl_uses(ends, monkeypatch):
@@ -154,3 +154,48 @@ def test_a_frame_larger_than_a_receive_slot_is_refused_clearly(ends):
     t.abort("refused")
     assert sink.wait(lambda: "wide" in sink.failed)
     assert not sink.blocks_in_use("wide")
+
+
+def test_a_transfer_running_on_a_group_that_is_replaced_still_finishes(ends, monkeypatch):
+    """Transfer B runs on the pair's group; another transfer on it fails, so the sender builds a new
+    group for the next one (and the decode side drops the old one): B still finishes on the old."""
+    sink = RecordingSink(num_blocks=64)
+    sender, receiver = ends(sink)
+    data_b = random_kv(NUM_LAYERS, 3, seed=1)
+    dest_b = sink.reserve("B", 3)
+    b = sender.open("B", receiver.address, NUM_LAYERS, 3, timeout_s=10)
+    b.send(range(0, 1), dest_b, data_b[:, 0:1])
+    assert sink.wait(lambda: len(sink.writes) == 1)
+    faults = Faults(ct, False, monkeypatch)
+    faults.corrupt(frame=0)
+    dest_a = sink.reserve("A", 2)
+    a = sender.open("A", receiver.address, NUM_LAYERS, 2, timeout_s=10)
+    a.send(range(0, NUM_LAYERS), dest_a, random_kv(NUM_LAYERS, 2, seed=2))
+    with pytest.raises(TransferError, match="checksum mismatch"):
+        bounded(lambda: a.finish(1))
+    monkeypatch.undo()
+    push_views(sender, receiver, sink, "C", 2, seed=3)  # on a new group
+    assert len(receiver._groups) == 1
+    for lo in range(1, NUM_LAYERS):
+        b.send(range(lo, lo + 1), dest_b, data_b[:, lo:lo + 1])
+    bounded(lambda: b.finish(4))
+    assert sink.kv.export_blocks(dest_b).equal(data_b)
+
+
+def test_failed_streams_of_senders_that_never_return_do_not_pile_up(ends, monkeypatch):
+    sink = RecordingSink(num_blocks=64)
+    _, receiver = ends(sink)
+    Faults(ct, False, monkeypatch).corrupt(frame=0)
+    senders = [ct.CollectiveKVSender(timeout_s=10.0) for _ in range(receiver.PARKED_LIMIT + 2)]
+    try:
+        for n, sender in enumerate(senders):
+            dest = sink.reserve(f"x{n}", 2)
+            t = sender.open(f"x{n}", receiver.address, NUM_LAYERS, 2, timeout_s=10)
+            t.send(range(0, NUM_LAYERS), dest, random_kv(NUM_LAYERS, 2, seed=n))
+            with pytest.raises(TransferError):
+                bounded(lambda: t.finish(1))
+        assert sum(len(g.parked) for g in receiver._groups.values()) <= receiver.PARKED_LIMIT
+        assert len(receiver._groups) < len(senders)
+    finally:
+        for sender in senders:
+            sender.close()
