@@ -16,6 +16,14 @@ from typing import Protocol
 
 import torch
 
+# Pieces of about this size (whole layers of a chunk's blocks grouped up to it, at least one layer)
+# are what the prefill worker hands a transport (``PrefillConfig.frame_bytes``). Fewer, larger
+# pieces cost less per byte; smaller ones overlap the transfer with the prefill more finely. At 4
+# MiB a 512-token prompt of the default model goes in 6 pieces of 5 layers (instead of 15 of 2 at
+# 2 MiB): 20.6 against 21.8 ms over gRPC and 16.4 against 18.7 ms over gloo, medians of four runs
+# alternated on one pair of actors; at 2048 tokens one layer is already 3 MB, one piece each way.
+DEFAULT_FRAME_BYTES = 4 << 20
+
 
 class TransferState(enum.Enum):
     OPEN = "open"  # created, nothing sent yet

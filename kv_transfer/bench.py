@@ -6,15 +6,18 @@ Two measurements, on this machine, between Ray actors (so between processes, as 
    grouped into pieces of about ``frame_bytes``, as the prefill worker does) / ``finish``, to a
    receiver actor whose sink lands every piece in the reserved blocks of a real ``KVCache`` of the
    model's KV geometry (by default SmolLM2-135M: 30 layers x 3 KV heads x 64, blocks of 16 tokens,
-   float32), for a 512- and a 2048-token prompt, ``--rounds`` times each; reported: the median
-   MB/s (1 MB = 10^6 bytes) of each transport in ``TRANSPORTS``, against a plain TCP socket copy
-   (``sendall`` / ``recv_into``) of the same bytes between the same two actors, and their ratio.
+   float32), for a 512- and a 2048-token prompt, ``--rounds`` times each after at least
+   ``warmup_s`` (1 s) of untimed pushes; reported: the median MB/s (1 MB = 10^6 bytes) of each transport
+   in ``TRANSPORTS``, against a plain TCP socket copy (``sendall`` / ``recv_into``) of the same
+   bytes between the same two actors (warmed up alike), and their ratio.
 2. Time to first token under light load, one request at a time, the same prompts both ways:
    colocated (``add_request`` on a colocated worker, until its first delta arrives through
    ``next_outputs``) and disaggregated (``reserve_kv`` on a decode actor, then ``prefill`` on a
    prefill actor, which returns token #1). Both use the same chunk budget (512 tokens per step).
-   Reported: medians over ``--rounds`` prompts per length, the overhead in percent, and the decode
-   side's ``kv_stream_s`` (from the stream's opening to its last frame: it spans the prefill
+   Reported: medians over ``--rounds`` prompts per length, the overhead in percent of those
+   medians, the median of the per-prompt overheads (``paired``: each prompt's two runs are back to
+   back, so it cancels the machine's slow drift between prompts), and the decode side's
+   ``kv_stream_s`` (from the stream's opening to its last frame: it spans the prefill
    itself, since KV is pushed as layers are computed). The runs alternate (colocated,
    disaggregated, colocated, ...) so that machine noise hits both alike.
 
@@ -39,6 +42,7 @@ import time
 import torch
 
 from pdserve.engine.memory import describe_peak
+from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES
 
 # The transports measured, in order: name -> (module, receiver class). The sender side is
 # ``prefill_worker.worker.make_sender(name)``. A new transport adds one line here.
@@ -47,8 +51,13 @@ TRANSPORTS: dict[str, tuple[str, str]] = {
     "collective": ("pdserve.kv_transfer.collective_transport", "CollectiveKVReceiver"),
 }
 
-FULL = dict(prompt_tokens=(512, 2048), rounds=5)
-QUICK = dict(prompt_tokens=(32, 64), rounds=2)
+FULL = dict(prompt_tokens=(512, 2048), rounds=9, warmup_s=1.0)
+# ``warmup_s``: untimed pushes before the timed ones, per transport and size, for at least this
+# long. The first second or so of a fresh pair of actors is slower for every transport (Ray is
+# still settling, the connections' flow-control windows grow): with one warm-up push, the first
+# timed gRPC pushes of a 512-token prompt took 2-5x the steady state, so the ratio measured
+# start-up, not the transport.
+QUICK = dict(prompt_tokens=(32, 64), rounds=2, warmup_s=0.1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt lengths (default 512 2048; 32 64 with --quick)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), metavar="NAMES",
                    help=f"comma-separated transports to measure (default {','.join(TRANSPORTS)})")
-    p.add_argument("--frame-bytes", type=int, default=2 << 20, metavar="BYTES",
-                   help="pieces group layers up to about this size, as the prefill worker does (default 2 MiB)")
+    p.add_argument("--frame-bytes", type=int, default=DEFAULT_FRAME_BYTES, metavar="BYTES",
+                   help="pieces group layers up to about this size, as the prefill worker does "
+                        f"(default {DEFAULT_FRAME_BYTES >> 20} MiB, the prefill worker's)")
     p.add_argument("--no-ttft", action="store_true", help="measure the transfer only")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes: a smoke test of the benchmark itself, not a measurement")
@@ -218,8 +228,9 @@ class TransferSender:
         shape = (2, g["num_layers"], num_blocks, g["block_size"], g["num_kv_heads"], g["head_dim"])
         return torch.randn(shape, generator=torch.Generator().manual_seed(num_blocks)).to(getattr(torch, g["dtype"]))
 
-    def push(self, transport: str, address: str, receiver, num_blocks: int, rounds: int, frame_bytes: int) -> dict:
-        """Time ``rounds`` whole-request pushes (after one untimed warm-up); every one must succeed."""
+    def push(self, transport: str, address: str, receiver, num_blocks: int, rounds: int, frame_bytes: int,
+             warmup_s: float) -> dict:
+        """Time ``rounds`` whole-request pushes (after ``warmup_s`` of untimed ones); every one must succeed."""
         import ray
 
         from pdserve.prefill_worker.worker import make_sender
@@ -233,7 +244,10 @@ class TransferSender:
         group = max(1, min(num_layers, frame_bytes // per_layer))
         pieces = [range(lo, min(num_layers, lo + group)) for lo in range(0, num_layers, group)]
         seconds = []
-        for r in range(rounds + 1):
+        warm_until = time.perf_counter() + warmup_s
+        r = 0
+        while len(seconds) < rounds:
+            r += 1
             rid = f"bench-{transport}-{num_blocks}-{r}-{time.monotonic_ns()}"
             blocks = ray.get(receiver.reserve.remote(rid, num_blocks))
             start = time.perf_counter()
@@ -245,25 +259,28 @@ class TransferSender:
             done, error = ray.get(receiver.outcome.remote(rid))
             if not done or error:
                 raise RuntimeError(f"transfer {rid} was not verified by the receiver: {error}")
-            if r:  # the first push warms up connections and process groups
+            if r > 1 and time.perf_counter() >= warm_until:  # the first pushes warm up (connections, groups)
                 seconds.append(elapsed)
-        return {"bytes": nbytes, "pieces": len(pieces), "seconds": seconds}
+        return {"bytes": nbytes, "pieces": len(pieces), "seconds": seconds, "warmup_pushes": r - rounds}
 
-    def tcp(self, address: str, num_blocks: int, rounds: int) -> dict:
-        """Time ``rounds`` copies of the same bytes over one TCP connection (after one warm-up)."""
+    def tcp(self, address: str, num_blocks: int, rounds: int, warmup_s: float) -> dict:
+        """Time ``rounds`` copies of the same bytes over one TCP connection (after ``warmup_s`` of untimed ones)."""
         data = self._data(num_blocks)
         raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
         host, port = address.rsplit(":", 1)
         seconds = []
         with socket.create_connection((host, int(port))) as s:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for r in range(rounds + 1):
+            warm_until = time.perf_counter() + warmup_s
+            r = 0
+            while len(seconds) < rounds:
+                r += 1
                 start = time.perf_counter()
                 s.sendall(struct.pack("!Q", len(raw)))
                 s.sendall(raw)
                 if s.recv(1) != b"k":
                     raise RuntimeError("the TCP receiver went away")
-                if r:
+                if r > 1 and time.perf_counter() >= warm_until:
                     seconds.append(time.perf_counter() - start)
         return {"bytes": len(raw), "seconds": seconds}
 
@@ -273,7 +290,7 @@ class TransferSender:
 
 
 def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[str], rounds: int,
-                     frame_bytes: int) -> list[dict]:
+                     frame_bytes: int, warmup_s: float) -> list[dict]:
     bs = geo["block_size"]
     max_blocks = max(-(-n // bs) for n in prompt_tokens)
     max_bytes = max_blocks * bs * bytes_per_token(geo)
@@ -285,15 +302,16 @@ def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[
         addresses = ray.get(receiver.addresses.remote())
         for n in prompt_tokens:
             nb = -(-n // bs)
-            tcp = ray.get(sender.tcp.remote(addresses["tcp"], nb, rounds))
+            tcp = ray.get(sender.tcp.remote(addresses["tcp"], nb, rounds, warmup_s))
             tcp_rate = tcp["bytes"] / statistics.median(tcp["seconds"]) / 1e6
             for name in transports:
-                r = ray.get(sender.push.remote(name, addresses[name], receiver, nb, rounds, frame_bytes))
+                r = ray.get(sender.push.remote(name, addresses[name], receiver, nb, rounds, frame_bytes, warmup_s))
                 assert r["bytes"] == tcp["bytes"]
                 rate = r["bytes"] / statistics.median(r["seconds"]) / 1e6
                 rows.append({"transport": name, "prompt_tokens": n, "bytes": r["bytes"], "pieces": r["pieces"],
                              "median_s": round(statistics.median(r["seconds"]), 6), "mb_per_s": round(rate, 1),
-                             "raw_tcp_mb_per_s": round(tcp_rate, 1), "ratio_to_raw_tcp": round(rate / tcp_rate, 3)})
+                             "raw_tcp_mb_per_s": round(tcp_rate, 1), "ratio_to_raw_tcp": round(rate / tcp_rate, 3),
+                             "warmup_pushes": r["warmup_pushes"]})
         ray.get(sender.close.remote())
     finally:
         ray.kill(sender)
@@ -374,8 +392,11 @@ def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[i
                 disagg.append(t)
                 stream.append(x)
             c, d = statistics.median(coloc), statistics.median(disagg)
+            paired = statistics.median((y - x) / x for x, y in zip(coloc, disagg))
             rows.append({"prompt_tokens": n, "prompts": rounds, "colocated_s": round(c, 6),
                          "disaggregated_s": round(d, 6), "overhead_pct": round(100 * (d - c) / c, 1),
+                         "paired_overhead_pct": round(100 * paired, 1),
+                         "colocated_each_s": [round(x, 6) for x in coloc], "disaggregated_each_s": [round(x, 6) for x in disagg],
                          "kv_stream_s": round(statistics.median(stream), 6)})
         if peaks is not None:
             for role, a in (("colocated", colocated), ("decode", decode), ("prefill", prefill)):
@@ -402,7 +423,7 @@ def _machine() -> str:
 
 def run_bench(model: str = "default", threads: int = 2, rounds: int | None = None,
               prompt_tokens: list[int] | None = None, transports: list[str] | None = None,
-              frame_bytes: int = 2 << 20, ttft: bool = True, quick: bool = False) -> dict:
+              frame_bytes: int = DEFAULT_FRAME_BYTES, ttft: bool = True, quick: bool = False) -> dict:
     import ray
 
     from pdserve.engine.model_loader import load_config, resolve_model_dir
@@ -423,7 +444,7 @@ def run_bench(model: str = "default", threads: int = 2, rounds: int | None = Non
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
     try:
-        transfer_rows = measure_transfer(ray, geo, prompt_tokens, transports, rounds, frame_bytes)
+        transfer_rows = measure_transfer(ray, geo, prompt_tokens, transports, rounds, frame_bytes, shape["warmup_s"])
         peaks: dict = {}
         ttft_rows = (measure_ttft(ray, str(model_dir), threads, geo, prompt_tokens, rounds, cfg.vocab_size, peaks)
                      if ttft else [])
@@ -440,6 +461,7 @@ def run_bench(model: str = "default", threads: int = 2, rounds: int | None = Non
         "quick": quick,
         "kv_geometry": {**geo, "bytes_per_token": bytes_per_token(geo)},
         "frame_bytes": frame_bytes,
+        "warmup_s": shape["warmup_s"],
         "transfer": transfer_rows,
         "ttft": ttft_rows,
         "peak_memory": peaks,  # per worker actor of the TTFT runs
@@ -460,11 +482,11 @@ def format_table(r: dict) -> str:
                      f"{row['mb_per_s']:>10.1f}{row['raw_tcp_mb_per_s']:>14.1f}{row['ratio_to_raw_tcp']:>8.3f}")
     if r["ttft"]:
         lines += ["", f"{'TTFT, one request at a time':<30}{'prompt':>8}{'colocated s':>13}{'disagg. s':>11}"
-                      f"{'overhead':>10}{'KV stream s':>13}"]
+                      f"{'overhead':>10}{'paired':>9}{'KV stream s':>13}"]
         for row in r["ttft"]:
             lines.append(f"{'median of %d prompts' % row['prompts']:<30}{row['prompt_tokens']:>8}"
                          f"{row['colocated_s']:>13.4f}{row['disaggregated_s']:>11.4f}"
-                         f"{row['overhead_pct']:>9.1f}%{row['kv_stream_s']:>13.4f}")
+                         f"{row['overhead_pct']:>9.1f}%{row['paired_overhead_pct']:>8.1f}%{row['kv_stream_s']:>13.4f}")
     if r.get("peak_memory"):
         lines.append("peak memory per actor: " + ", ".join(
             f"{role} {describe_peak(m['bytes'], m['device'])}" for role, m in r["peak_memory"].items()))

@@ -28,7 +28,7 @@ from pdserve.engine.memory import peak_memory_bytes
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sequence import Sequence
-from pdserve.kv_transfer.base import KVSender, Transfer, TransferError
+from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES, KVSender, Transfer, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class PrefillConfig:
     max_num_seqs: int = 16
     transport: str = "grpc"
     transfer_timeout_s: float = 30.0
-    frame_bytes: int = 2 << 20  # pieces are grouped over layers up to about this size
+    frame_bytes: int = DEFAULT_FRAME_BYTES  # pieces are grouped over layers up to about this size
 
 
 @dataclass

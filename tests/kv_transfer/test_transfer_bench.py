@@ -30,6 +30,8 @@ def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, ca
         assert row["pieces"] >= 1 and row["median_s"] > 0
         assert row["mb_per_s"] > 0 and row["raw_tcp_mb_per_s"] > 0
         assert abs(row["ratio_to_raw_tcp"] - row["mb_per_s"] / row["raw_tcp_mb_per_s"]) < 0.01
+        assert row["warmup_pushes"] >= 1  # at least one untimed push, for at least warmup_s
+    assert r["warmup_s"] == 0.1
 
     assert [row["prompt_tokens"] for row in r["ttft"]] == sizes
     for row in r["ttft"]:
@@ -37,6 +39,11 @@ def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, ca
         assert row["kv_stream_s"] > 0
         expected = 100 * (row["disaggregated_s"] - row["colocated_s"]) / row["colocated_s"]
         assert abs(row["overhead_pct"] - expected) < 1.0
+        # The paired overhead is the median of each prompt's own overhead (its two runs back to back).
+        c, d = row["colocated_each_s"], row["disaggregated_each_s"]
+        assert len(c) == len(d) == 2
+        each = sorted(100 * (y - x) / x for x, y in zip(c, d))
+        assert abs(row["paired_overhead_pct"] - (each[0] + each[1]) / 2) < 0.1
     # Each worker actor's peak memory: its process's peak RSS on CPU (torch alone is > 100 MB).
     assert {role: m["device"] for role, m in r["peak_memory"].items()} == dict.fromkeys(
         ("colocated", "decode", "prefill"), "cpu")
