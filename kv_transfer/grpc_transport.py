@@ -20,6 +20,7 @@ message saved is a round of thread hand-offs saved. Only the acknowledgement is 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import queue
@@ -271,24 +272,55 @@ def split_piece(layers: range, block_ids: list[int], data: torch.Tensor, limit: 
                    data[:, lo:hi, b:b + block_step])
 
 
+def _encode(item: tuple) -> bytes:
+    return frame_message(*encode_piece(*item))
+
+
 class GrpcTransfer(Transfer):
-    def __init__(self, push, request_id: str, timeout_s: float) -> None:
+    # Frames encoded ahead of the one gRPC is writing (on the sender's encoder thread).
+    LOOKAHEAD = 2
+
+    def __init__(self, push, request_id: str, timeout_s: float, encoder: futures.Executor | None = None) -> None:
         self.request_id = request_id
         self.state = TransferState.OPEN
         self._q: queue.Queue = queue.Queue()
         self._frames = 0
         self._bytes = 0
-        # gRPC's sending thread only ships the ready messages that ``send`` queued.
+        self._timeout_s = timeout_s
+        self._encoder = encoder
+        # gRPC's sending thread only ships the messages that ``send`` queued, encoded ahead.
         self._future = push.future(self._iter(), timeout=timeout_s, metadata=((REQUEST_ID_KEY, request_id),))
 
     def _iter(self):
+        """The stream's messages, on gRPC's request thread. gRPC asks for the next message only
+        once it has written the previous one, so a frame encoded here (a checksum and a copy of
+        megabytes) left the socket idle meanwhile: the next ``LOOKAHEAD`` pieces are encoded on
+        the encoder thread while this one is written (both release the GIL). At most that many
+        encoded messages wait at a time (each is megabytes; see ``_messages``)."""
+        ahead: collections.deque = collections.deque()
         while True:
-            item = self._q.get()
+            if not ahead:
+                ahead.append(self._start(self._q.get()))
+            while len(ahead) <= self.LOOKAHEAD:
+                try:
+                    ahead.append(self._start(self._q.get_nowait()))
+                except queue.Empty:
+                    break
+            item = ahead.popleft()
+            if isinstance(item, futures.Future):
+                item = item.result(timeout=self._timeout_s)
             if item is _END:
                 return
-            if isinstance(item, tuple):  # a piece: its frame is encoded as gRPC takes it
-                item = frame_message(*encode_piece(*item))
             yield item
+
+    def _start(self, item):
+        """A queued item as it will go out: a piece's frame is encoded (on the encoder thread when
+        there is one, a ``Future``; else here); headers and ``_END`` pass as they are."""
+        if not isinstance(item, tuple):
+            return item
+        if self._encoder is None:
+            return _encode(item)
+        return self._encoder.submit(_encode, item)
 
     def send(self, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
         if self.state in (TransferState.DONE, TransferState.FAILED):
@@ -302,17 +334,15 @@ class GrpcTransfer(Transfer):
                 self._q.put(message)
 
     def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list:
-        """Frame ``i``, to be encoded on gRPC's request thread when it takes the frame: header,
-        checksum and message (one copy of the piece) are made there, not on the caller's thread.
+        """Frame ``i``, to be encoded (header, checksum and message: one copy of the piece) just
+        before gRPC takes it, a frame or two ahead (``_iter``), not on the caller's thread.
 
-        So only the frame or two in flight have a message buffer, and malloc reuses the same few
+        So only the few frames in flight have a message buffer, and malloc reuses the same few
         megabytes (a push of 30 frames built ahead held 94 MB of fresh pages, which the main heap
         gave back and page-faulted in again on every push: a tenth of the sender's CPU); the
         message is still in cache when gRPC copies it; and the caller (the prefill worker's engine
-        thread, between layers) only queues the piece. Checksumming on the caller held the GIL
-        while gRPC's thread waited for it, which delayed a push's first frame by milliseconds.
-        ``send``'s contract (the caller does not modify the piece) makes holding it until then
-        safe."""
+        thread, between layers) only queues the piece. ``send``'s contract (the caller does not
+        modify the piece) makes holding it until then safe."""
         if str(data.dtype).removeprefix("torch.") not in _DTYPES:
             raise TransferError(f"KV of dtype {data.dtype} cannot be sent; use one of {', '.join(_DTYPES)}")
         return [(self.request_id, i, layers, block_ids, data)]
@@ -357,6 +387,9 @@ class GrpcKVSender(KVSender):
         self._stubs: dict[str, grpc.StreamUnaryMultiCallable] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
+        # Encodes frames ahead of gRPC's request threads (``GrpcTransfer._iter``); one thread, as
+        # encoding is memory-bound copying and the prefill compute needs the other cores.
+        self._encoder = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-encode")
 
     def _stub(self, destination: str) -> grpc.StreamUnaryMultiCallable:
         """The ``Push`` call of ``destination``: raw-bytes requests, a ``PushAck`` back."""
@@ -369,7 +402,7 @@ class GrpcKVSender(KVSender):
             return self._stubs[destination]
 
     def open(self, request_id: str, destination: str, num_layers: int, num_blocks: int, timeout_s: float) -> Transfer:
-        return GrpcTransfer(self._stub(destination), request_id, timeout_s)
+        return GrpcTransfer(self._stub(destination), request_id, timeout_s, self._encoder)
 
     def close(self) -> None:
         with self._lock:
@@ -377,3 +410,4 @@ class GrpcKVSender(KVSender):
                 ch.close()
             self._channels.clear()
             self._stubs.clear()
+        self._encoder.shutdown(wait=False, cancel_futures=True)
