@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frame-bytes", type=int, default=DEFAULT_FRAME_BYTES, metavar="BYTES",
                    help="pieces group layers up to about this size, as the prefill worker does "
                         f"(default {DEFAULT_FRAME_BYTES >> 20} MiB, the prefill worker's)")
+    p.add_argument("--kv-push", choices=["layer", "chunk"], default=None,
+                   help="when the prefill worker of the TTFT part pushes a chunk's KV: as its layers are "
+                        "computed, or once the chunk is (default: the prefill worker's)")
     p.add_argument("--no-ttft", action="store_true", help="measure the transfer only")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes: a smoke test of the benchmark itself, not a measurement")
@@ -87,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve: error: unknown transport(s) {', '.join(unknown)}; choose from {', '.join(TRANSPORTS)}")
         return 2
     result = run_bench(model=args.model, threads=args.threads, rounds=args.rounds, prompt_tokens=args.prompt_tokens,
-                       transports=names, frame_bytes=args.frame_bytes, ttft=not args.no_ttft, quick=args.quick)
+                       transports=names, frame_bytes=args.frame_bytes, ttft=not args.no_ttft, quick=args.quick,
+                       kv_push=args.kv_push)
     print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
     return 0
 
@@ -323,7 +327,7 @@ def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[
 
 
 def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[int], rounds: int,
-                 vocab_size: int, peaks: dict | None = None) -> list[dict]:
+                 vocab_size: int, peaks: dict | None = None, kv_push: str | None = None) -> list[dict]:
     """TTFT rows; ``peaks`` (if given) gets each worker actor's peak memory (``WorkerStats``)."""
     from pdserve.decode_worker.messages import WorkerRequest
     from pdserve.decode_worker.worker import WorkerConfig, start_workers
@@ -343,7 +347,8 @@ def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[i
             pool.submit(start_workers, WorkerConfig(engine=engine()), 1, num_cpus=0, name_prefix=f"{tag}-colocated"),
             pool.submit(start_workers, WorkerConfig(engine=engine()), 1, num_cpus=0, role="decode",
                         name_prefix=f"{tag}-decode"),
-            pool.submit(start_prefill_workers, PrefillConfig(engine=engine()), 1, num_cpus=0,
+            pool.submit(start_prefill_workers, PrefillConfig(engine=engine(), **({"kv_push": kv_push} if kv_push else {})),
+                        1, num_cpus=0,
                         name_prefix=f"{tag}-prefill"),
         ]
         (colocated,), (decode,), (prefill,) = [f.result() for f in starts]
@@ -423,7 +428,8 @@ def _machine() -> str:
 
 def run_bench(model: str = "default", threads: int = 2, rounds: int | None = None,
               prompt_tokens: list[int] | None = None, transports: list[str] | None = None,
-              frame_bytes: int = DEFAULT_FRAME_BYTES, ttft: bool = True, quick: bool = False) -> dict:
+              frame_bytes: int = DEFAULT_FRAME_BYTES, ttft: bool = True, quick: bool = False,
+              kv_push: str | None = None) -> dict:
     import ray
 
     from pdserve.engine.model_loader import load_config, resolve_model_dir
@@ -446,8 +452,8 @@ def run_bench(model: str = "default", threads: int = 2, rounds: int | None = Non
     try:
         transfer_rows = measure_transfer(ray, geo, prompt_tokens, transports, rounds, frame_bytes, shape["warmup_s"])
         peaks: dict = {}
-        ttft_rows = (measure_ttft(ray, str(model_dir), threads, geo, prompt_tokens, rounds, cfg.vocab_size, peaks)
-                     if ttft else [])
+        ttft_rows = (measure_ttft(ray, str(model_dir), threads, geo, prompt_tokens, rounds, cfg.vocab_size, peaks,
+                                  kv_push) if ttft else [])
     finally:
         if started_ray:
             ray.shutdown()
@@ -464,8 +470,15 @@ def run_bench(model: str = "default", threads: int = 2, rounds: int | None = Non
         "warmup_s": shape["warmup_s"],
         "transfer": transfer_rows,
         "ttft": ttft_rows,
+        "kv_push": (kv_push or _default_kv_push()) if ttft else None,
         "peak_memory": peaks,  # per worker actor of the TTFT runs
     }
+
+
+def _default_kv_push() -> str:
+    from pdserve.prefill_worker.worker import PrefillConfig
+
+    return PrefillConfig.kv_push
 
 
 def format_table(r: dict) -> str:
@@ -481,8 +494,9 @@ def format_table(r: dict) -> str:
         lines.append(f"{row['transport']:<30}{row['prompt_tokens']:>8}{row['bytes'] / 1e6:>9.1f}{row['pieces']:>8}"
                      f"{row['mb_per_s']:>10.1f}{row['raw_tcp_mb_per_s']:>14.1f}{row['ratio_to_raw_tcp']:>8.3f}")
     if r["ttft"]:
-        lines += ["", f"{'TTFT, one request at a time':<30}{'prompt':>8}{'colocated s':>13}{'disagg. s':>11}"
-                      f"{'overhead':>10}{'paired':>9}{'KV stream s':>13}"]
+        lines += ["", f"TTFT, one request at a time (the prefill worker pushes KV by {r['kv_push']})",
+                  f"{'':<30}{'prompt':>8}{'colocated s':>13}{'disagg. s':>11}"
+                  f"{'overhead':>10}{'paired':>9}{'KV stream s':>13}"]
         for row in r["ttft"]:
             lines.append(f"{'median of %d prompts' % row['prompts']:<30}{row['prompt_tokens']:>8}"
                          f"{row['colocated_s']:>13.4f}{row['disaggregated_s']:>11.4f}"

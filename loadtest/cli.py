@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file")
     g.add_argument("--kv-memory", default=None, metavar="SIZE", help="KV cache per actor, e.g. 512MiB")
     g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N", help="context length")
-    g.add_argument("--transport", choices=["grpc", "collective"], default="grpc",
-                   help="KV transport of the disaggregated side (default grpc)")
+    g.add_argument("--transport", choices=["grpc", "collective"], default=None,
+                   help="KV transport of the disaggregated side (default, as pdserve serve: collective "
+                   "with --gpus-per-actor > 0, grpc otherwise)")
     g.add_argument("--modes", default="colocated,disaggregated", metavar="LIST",
                    help="which sides to run, in order (default colocated,disaggregated)")
     g.add_argument("--address", default=None, metavar="RAY_ADDRESS",
@@ -258,7 +259,8 @@ def _cmd_compare(args, specs, slo, schedule, options, meta) -> int:
 
     configs = {c.mode: c for c in equal_resource_configs(
         args.prefill, args.decode, cpus=args.cpus_per_actor, gpus=args.gpus_per_actor, threads=args.threads,
-        model=args.model, kv_memory=args.kv_memory, max_model_len=args.max_model_len, transport=args.transport)}
+        model=args.model, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
+        transport=args.transport or ("collective" if args.gpus_per_actor > 0 else "grpc"))}
     order = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in order if m not in configs]
     if not order or bad or len(set(order)) != len(order):

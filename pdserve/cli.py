@@ -119,7 +119,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--transport", choices=list(TRANSPORTS), default=None,
                    help="how KV moves from prefill to decode workers: grpc (a stream of frames) or "
                    "collective (torch point-to-point: gloo on CPU, nccl on CUDA) (disaggregated mode; "
-                   "default grpc)")
+                   "default: collective when prefill and decode workers both run on GPUs, grpc otherwise)")
+    p.add_argument("--kv-push", choices=["chunk", "layer"], default=None,
+                   help="when a prefill worker pushes a computed chunk's KV: chunk (once the chunk is "
+                   "computed; a prompt's last chunk after token #1 is sent) or layer (as each group of "
+                   "layers is computed, overlapping the chunk itself) (disaggregated mode; default chunk)")
     p.add_argument("--model", default="default", metavar="PATH",
                    help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -228,7 +232,7 @@ def _check_serve_args(args: argparse.Namespace) -> str | None:
     if args.mode == "colocated":
         if args.prefill is not None:
             return "--prefill applies to --mode disaggregated only; colocated workers prefill themselves"
-        for flag in ("prefill_cpus", "prefill_gpus", "prefill_resources", "transport"):
+        for flag in ("prefill_cpus", "prefill_gpus", "prefill_resources", "transport", "kv_push"):
             if getattr(args, flag, None) is not None:
                 return f"--{flag.replace('_', '-')} applies to --mode disaggregated only"
         return None
@@ -237,8 +241,15 @@ def _check_serve_args(args: argparse.Namespace) -> str | None:
         _merge_role_resources(args, "prefill")
     except ResourceSpecError as exc:
         return str(exc)
-    args.transport = args.transport or TRANSPORTS[0]
+    args.transport = args.transport or default_transport(args)
     return None
+
+
+def default_transport(args: argparse.Namespace) -> str:
+    """``collective`` (NCCL, GPU to GPU) when prefill and decode workers both hold GPUs, else
+    ``grpc``: gloo on CPU is no faster than gRPC here, and a CPU side cannot join NCCL."""
+    both_on_gpus = (args.prefill_gpus or 0) > 0 and (args.decode_gpus or 0) > 0
+    return "collective" if both_on_gpus else TRANSPORTS[0]
 
 
 def _check_resources(args: argparse.Namespace, strict: bool) -> str | None:
@@ -345,7 +356,8 @@ def actor_factory(args: argparse.Namespace):
         from pdserve.prefill_worker.worker import PrefillConfig
 
         configs = {"decode": WorkerConfig(engine=_engine_config(args), transport=args.transport),
-                   "prefill": PrefillConfig(engine=_engine_config(args), transport=args.transport)}
+                   "prefill": PrefillConfig(engine=_engine_config(args), transport=args.transport,
+                                            **({"kv_push": args.kv_push} if getattr(args, "kv_push", None) else {}))}
         resources = {"decode": _role(args, "decode"), "prefill": _role(args, "prefill")}
     else:
         configs = {"colocated": WorkerConfig(engine=_engine_config(args))}

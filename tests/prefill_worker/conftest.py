@@ -90,7 +90,7 @@ class Disaggregated:
 
 @pytest.fixture
 def make_pd(tiny, one_thread):
-    """Factory: ``make_pd(max_num_batched_tokens=64, transport="grpc", kv_lease_s=30, kv_reserve_timeout_s=300, frame_bytes=..., sink=None)``
+    """Factory: ``make_pd(max_num_batched_tokens=64, transport="grpc", kv_lease_s=30, kv_reserve_timeout_s=300, frame_bytes=..., sink=None, kv_push="layer")``
     -> ``Disaggregated``; everything is stopped after the test. ``sink(loop)`` may wrap the decode
     loop in what the receiver lands pieces into."""
     from pdserve.decode_worker.worker import EngineLoop, WorkerConfig, start_receiver
@@ -102,7 +102,7 @@ def make_pd(tiny, one_thread):
 
     def make(max_num_batched_tokens: int = 64, transport: str = "grpc", kv_lease_s: float = 30.0,
              kv_reserve_timeout_s: float = 300.0, frame_bytes: int = 2 << 20, max_num_seqs: int = 16, sink=None, sender=None,
-             prefill_blocks: int = 256, decode_blocks: int = 256) -> Disaggregated:
+             prefill_blocks: int = 256, decode_blocks: int = 256, kv_push: str = "layer") -> Disaggregated:
         decode = EngineLoop(WorkerConfig(engine=engine_config(tiny, decode_blocks), role="decode", transport=transport,
                                          kv_lease_s=kv_lease_s, kv_reserve_timeout_s=kv_reserve_timeout_s),
                             name="decode-0")
@@ -110,7 +110,8 @@ def make_pd(tiny, one_thread):
         prefill = PrefillEngine(PrefillConfig(engine=engine_config(tiny, prefill_blocks),
                                               max_num_batched_tokens=max_num_batched_tokens,
                                               max_num_seqs=max_num_seqs, transport=transport,
-                                              transfer_timeout_s=20.0, frame_bytes=frame_bytes),
+                                              transfer_timeout_s=20.0, frame_bytes=frame_bytes,
+                                              kv_push=kv_push),
                                 sender=sender)
         pd = Disaggregated(decode, receiver, prefill)
         made.append(pd)

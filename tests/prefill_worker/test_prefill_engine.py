@@ -62,12 +62,15 @@ def colocated_reference(tiny) -> list[list[int]]:
         torch.set_num_threads(before)  # the engine runs on one thread (engine_config)
 
 
-@pytest.mark.parametrize("budget,transport", [(16, "grpc"), (64, "grpc"), (512, "grpc"), (64, "collective")])
+@pytest.mark.parametrize("budget,transport,kv_push", [(16, "grpc", "layer"), (64, "grpc", "layer"), (512, "grpc", "layer"),
+                                                      (64, "collective", "layer"), (16, "grpc", "chunk"),
+                                                      (64, "collective", "chunk")])
 def test_concurrent_mixed_batch_is_identical_to_hf_and_colocated(tiny, make_pd, colocated_reference, budget,
-                                                                  transport):
+                                                                  transport, kv_push):
     """Prompts of 3..200 tokens prefilled together under a chunk budget of ``budget`` tokens per
-    step (one budget is enough for the collective transport: the chunking does not depend on it)."""
-    pd = make_pd(max_num_batched_tokens=budget, transport=transport)
+    step (one budget is enough for the collective transport: the chunking does not depend on it),
+    their KV pushed layer by layer or chunk by chunk."""
+    pd = make_pd(max_num_batched_tokens=budget, transport=transport, kv_push=kv_push)
     prompts = tiny.prompts(LENGTHS, seed=7)
     firsts, deltas = run_disaggregated(pd, prompts, greedy())
     for i, p in enumerate(prompts):
@@ -190,6 +193,44 @@ def test_kv_is_pushed_chunk_by_chunk_in_frames_of_about_frame_bytes(tiny, make_p
     assert pieces[0][4] < sender.finished["r0"] and pieces[0][2] <= 3
     assert_all_blocks_free(pd)
 
+
+
+@pytest.mark.parametrize("kv_push", ["layer", "chunk"])
+def test_kv_push_layer_sends_during_the_chunk_and_chunk_after_it(tiny, make_pd, kv_push):
+    """Both push the same pieces. ``layer``: the last chunk's pieces leave while it is computed,
+    before token #1 is sampled. ``chunk``: they leave once the chunk is computed, after token #1 is
+    handed over (and earlier chunks' pieces before the last chunk starts)."""
+    sender = RecordingSender(make_sender("grpc"))
+    per_layer_block = 2 * BLOCK_SIZE * 2 * 16 * 4
+    pd = make_pd(max_num_batched_tokens=64, sender=sender, frame_bytes=3 * per_layer_block * 2, kv_push=kv_push)
+    prompt = tiny.prompts([150], seed=4)[0]  # three chunks: 64, 64, 22 tokens
+    token_at: list[float] = []
+    req = WorkerRequest("r0", prompt, greedy(4), arrival_time=time.time())
+    blocks = pd.decode.reserve_kv(req)
+    fut = pd.prefill.submit(req, KVDestination(pd.receiver.address, blocks))
+    fut.add_done_callback(lambda f: token_at.append(time.perf_counter()))
+    first = fut.result(timeout=60)
+    deltas = drain(lambda: pd.decode.take_outputs(0.2), {"r0"}, 60)
+    assert [first.token_id] + [t for d in deltas["r0"] for t in d.token_ids] == tiny.greedy(prompt, 4)
+    pieces = [p for p in sender.pieces if p[0] == "r0"]
+    num_layers = pd.prefill.runner.model.num_layers
+    # Every (layer, block) once, in pieces of at most two layers (frame_bytes) of one chunk's blocks.
+    assert sum(len(layers) * n for _, layers, n, _, _ in pieces) == num_layers * -(-150 // BLOCK_SIZE)
+    last_layer_pieces = [p for p in pieces if p[1].stop == num_layers]
+    assert len(last_layer_pieces) == 3  # one per chunk
+    final_chunk_piece = last_layer_pieces[-1][4]
+    if kv_push == "layer":
+        assert final_chunk_piece < token_at[0]
+    else:
+        assert final_chunk_piece > token_at[0]
+    assert_all_blocks_free(pd)
+
+
+def test_prefill_config_rejects_an_unknown_kv_push():
+    from pdserve.prefill_worker.worker import PrefillConfig
+
+    with pytest.raises(ValueError, match="kv_push"):
+        PrefillConfig(kv_push="token")
 
 
 def test_a_prompt_is_admitted_and_its_transfer_opened_only_when_the_budget_reaches_it(tiny, make_pd):

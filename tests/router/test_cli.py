@@ -39,6 +39,27 @@ def test_disaggregated_defaults():
     assert (args.prefill_cpus, args.prefill_gpus, args.decode_cpus, args.decode_gpus) == (1.0, 0.0, 1.0, 0.0)
 
 
+@pytest.mark.parametrize("flags,transport", [
+    (["--prefill-gpus", "1", "--decode-gpus", "1"], "collective"),  # both on CUDA: NCCL, GPU to GPU
+    (["--prefill-resources", "GPU=1", "--decode-resources", '{"GPU": 0.5}'], "collective"),
+    (["--prefill-gpus", "1"], "grpc"),  # a CPU decode side cannot join NCCL
+    (["--decode-gpus", "1"], "grpc"),
+    ([], "grpc"),
+    (["--prefill-gpus", "1", "--decode-gpus", "1", "--transport", "grpc"], "grpc"),  # asked for: kept
+])
+def test_the_default_transport_is_collective_when_both_roles_run_on_gpus(flags, transport):
+    args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", *flags])
+    assert cli._check_serve_args(args) is None
+    assert args.transport == transport
+
+
+@pytest.mark.parametrize("flags,kv_push", [([], "chunk"), (["--kv-push", "layer"], "layer")])
+def test_kv_push_reaches_the_prefill_workers_config(flags, kv_push):
+    args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", *flags])
+    assert cli._check_serve_args(args) is None
+    assert cli.actor_factory(args).configs["prefill"].kv_push == kv_push
+
+
 def test_per_role_resources():
     args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", "--prefill", "3", "--prefill-cpus",
                                           "0.5", "--prefill-gpus", "1", "--decode-cpus", "2", "--transport", "grpc"])
@@ -47,7 +68,8 @@ def test_per_role_resources():
 
 
 @pytest.mark.parametrize("flags,name", [(["--prefill", "2"], "--prefill"), (["--prefill-cpus", "1"], "--prefill-cpus"),
-                                        (["--prefill-gpus", "1"], "--prefill-gpus"), (["--transport", "grpc"], "--transport")])
+                                        (["--prefill-gpus", "1"], "--prefill-gpus"), (["--transport", "grpc"], "--transport"),
+                                        (["--kv-push", "layer"], "--kv-push")])
 def test_disaggregated_flags_without_disaggregated_mode_are_refused(capsys, flags, name):
     assert cli.main(["serve", *flags]) == 2
     assert f"{name} applies to --mode disaggregated only" in capsys.readouterr().err
