@@ -219,6 +219,21 @@ class TransferReceiver:
                 conn.sendall(b"k")
 
 
+def _timed(once, rounds: int, warmup_s: float) -> tuple[list[float], int]:
+    """Call ``once()`` (it returns the seconds it measured) until ``rounds`` calls are timed: the
+    first calls, at least one and for at least ``warmup_s``, are not. Returns the timed seconds and
+    how many calls warmed up."""
+    warm_until = time.perf_counter() + warmup_s
+    seconds: list[float] = []
+    calls = 0
+    while len(seconds) < rounds:
+        elapsed = once()
+        calls += 1
+        if calls > 1 and time.perf_counter() >= warm_until:
+            seconds.append(elapsed)
+    return seconds, calls - rounds
+
+
 class TransferSender:
     """Sender actor: pushes whole requests' KV over a transport, or the same bytes over TCP."""
 
@@ -247,12 +262,11 @@ class TransferSender:
         per_layer = data[:, :1].numel() * data.element_size()
         group = max(1, min(num_layers, frame_bytes // per_layer))
         pieces = [range(lo, min(num_layers, lo + group)) for lo in range(0, num_layers, group)]
-        seconds = []
-        warm_until = time.perf_counter() + warmup_s
-        r = 0
-        while len(seconds) < rounds:
-            r += 1
-            rid = f"bench-{transport}-{num_blocks}-{r}-{time.monotonic_ns()}"
+        nbytes = 0
+
+        def once() -> float:
+            nonlocal nbytes
+            rid = f"bench-{transport}-{num_blocks}-{time.monotonic_ns()}"
             blocks = ray.get(receiver.reserve.remote(rid, num_blocks))
             start = time.perf_counter()
             t = sender.open(rid, address, num_layers, num_blocks, timeout_s=120)
@@ -263,29 +277,28 @@ class TransferSender:
             done, error = ray.get(receiver.outcome.remote(rid))
             if not done or error:
                 raise RuntimeError(f"transfer {rid} was not verified by the receiver: {error}")
-            if r > 1 and time.perf_counter() >= warm_until:  # the first pushes warm up (connections, groups)
-                seconds.append(elapsed)
-        return {"bytes": nbytes, "pieces": len(pieces), "seconds": seconds, "warmup_pushes": r - rounds}
+            return elapsed
+
+        seconds, warmup = _timed(once, rounds, warmup_s)
+        return {"bytes": nbytes, "pieces": len(pieces), "seconds": seconds, "warmup_pushes": warmup}
 
     def tcp(self, address: str, num_blocks: int, rounds: int, warmup_s: float) -> dict:
         """Time ``rounds`` copies of the same bytes over one TCP connection (after ``warmup_s`` of untimed ones)."""
         data = self._data(num_blocks)
         raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
         host, port = address.rsplit(":", 1)
-        seconds = []
         with socket.create_connection((host, int(port))) as s:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            warm_until = time.perf_counter() + warmup_s
-            r = 0
-            while len(seconds) < rounds:
-                r += 1
+
+            def once() -> float:
                 start = time.perf_counter()
                 s.sendall(struct.pack("!Q", len(raw)))
                 s.sendall(raw)
                 if s.recv(1) != b"k":
                     raise RuntimeError("the TCP receiver went away")
-                if r > 1 and time.perf_counter() >= warm_until:
-                    seconds.append(time.perf_counter() - start)
+                return time.perf_counter() - start
+
+            seconds, _ = _timed(once, rounds, warmup_s)
         return {"bytes": len(raw), "seconds": seconds}
 
     def close(self) -> None:

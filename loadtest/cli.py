@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdserve.cli import _non_negative_float, _positive_int
+from pdserve.cli import _non_negative_float, _positive_int, default_transport
 from pdserve.loadtest.arrivals import ARRIVALS
 from pdserve.loadtest.driver import RunOptions
 from pdserve.loadtest.stats import SLO
@@ -260,7 +260,7 @@ def _cmd_compare(args, specs, slo, schedule, options, meta) -> int:
     configs = {c.mode: c for c in equal_resource_configs(
         args.prefill, args.decode, cpus=args.cpus_per_actor, gpus=args.gpus_per_actor, threads=args.threads,
         model=args.model, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
-        transport=args.transport or ("collective" if args.gpus_per_actor > 0 else "grpc"))}
+        transport=args.transport or default_transport(args.gpus_per_actor, args.gpus_per_actor))}
     order = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in order if m not in configs]
     if not order or bad or len(set(order)) != len(order):

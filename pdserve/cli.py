@@ -241,14 +241,14 @@ def _check_serve_args(args: argparse.Namespace) -> str | None:
         _merge_role_resources(args, "prefill")
     except ResourceSpecError as exc:
         return str(exc)
-    args.transport = args.transport or default_transport(args)
+    args.transport = args.transport or default_transport(args.prefill_gpus, args.decode_gpus)
     return None
 
 
-def default_transport(args: argparse.Namespace) -> str:
+def default_transport(prefill_gpus: float | None, decode_gpus: float | None) -> str:
     """``collective`` (NCCL, GPU to GPU) when prefill and decode workers both hold GPUs, else
     ``grpc``: gloo on CPU is no faster than gRPC here, and a CPU side cannot join NCCL."""
-    both_on_gpus = (args.prefill_gpus or 0) > 0 and (args.decode_gpus or 0) > 0
+    both_on_gpus = (prefill_gpus or 0) > 0 and (decode_gpus or 0) > 0
     return "collective" if both_on_gpus else TRANSPORTS[0]
 
 
