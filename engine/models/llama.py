@@ -16,11 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.kv_cache import KVCache
-
-
-def linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w_t + b`` with ``w_t`` stored ``[in, out]``."""
-    return torch.addmm(b, x, w_t) if b is not None else x @ w_t
+from pdserve.engine.linear import linear, packing_available, prepare
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,22 +95,23 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = "lm_head.weight" if "lm_head.weight" in state and not config.tie_word_embeddings else "model.embed_tokens.weight"
-        self.lm_head = wt(head)
+        pack = packing_available(device, dtype)
+        self.lm_head = prepare(wt(head), pack)
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             L = LlamaLayer()
             L.ln_in = w(p + "input_layernorm.weight")
             L.ln_post = w(p + "post_attention_layernorm.weight")
-            L.wqkv = torch.cat([wt(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 1).contiguous()
+            L.wqkv = prepare(torch.cat([wt(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 1), pack)
             biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             L.bqkv = torch.cat(biases).contiguous() if biases[0] is not None else None
-            L.wo = wt(p + "self_attn.o_proj.weight")
+            L.wo = prepare(wt(p + "self_attn.o_proj.weight"), pack)
             L.bo = opt(p + "self_attn.o_proj.bias")
-            L.wgu = torch.cat([wt(p + "mlp.gate_proj.weight"), wt(p + "mlp.up_proj.weight")], 1).contiguous()
+            L.wgu = prepare(torch.cat([wt(p + "mlp.gate_proj.weight"), wt(p + "mlp.up_proj.weight")], 1), pack)
             gb, ub = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
             L.bgu = torch.cat([gb, ub]).contiguous() if gb is not None else None
-            L.wdown = wt(p + "mlp.down_proj.weight")
+            L.wdown = prepare(wt(p + "mlp.down_proj.weight"), pack)
             L.bdown = opt(p + "mlp.down_proj.bias")
             self.layers.append(L)
         self.cos, self.sin = rope_tables(config, max_positions, dtype, device)

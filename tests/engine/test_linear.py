@@ -1,0 +1,80 @@
+"""Packed projection weights (engine/linear.py): the same numbers as the plain product.
+
+A packed weight must give bit-identical results to ``x @ w`` (and ``addmm`` with a bias) for every
+row count from two up, whatever row count it was packed for, and single-row products must take
+the plain weight. The models' parity tests against Hugging Face cover the end-to-end effect.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import linear as lin
+
+pytestmark = pytest.mark.skipif(not lin.packing_available(torch.device("cpu"), torch.float32),
+                                reason="this torch build has no MKL (or PDSERVE_PACKED_WEIGHTS=0)")
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8, 21, 64, 65, 300])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_packed_matches_plain_bit_for_bit(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 160, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    packed = lin.prepare(w, pack=True)
+    assert isinstance(packed, lin.PackedWeight)
+    want = torch.addmm(b, x, w) if bias else x @ w
+    got = lin.linear(x, packed, b)
+    assert got.shape == (rows, 160)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_zero_and_one_row_use_the_plain_weight(rows, monkeypatch):
+    w = torch.randn(32, 48)
+    packed = lin.prepare(w, pack=True)
+    calls = []
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a), raising=False)
+    x = torch.randn(rows, 32)
+    assert torch.equal(lin.linear(x, packed), x @ w)
+    assert calls == []
+
+
+def test_not_packed_when_disabled_or_not_cpu_float32(monkeypatch):
+    assert not lin.packing_available(torch.device("cpu"), torch.bfloat16)
+    assert not lin.packing_available(torch.device("cuda"), torch.float32)
+    monkeypatch.setattr(lin, "_DISABLED", True)
+    assert not lin.packing_available(torch.device("cpu"), torch.float32)
+    w = torch.randn(8, 8)
+    assert lin.prepare(w, pack=False) is w
+
+
+def test_llama_weights_are_packed_and_forward_matches_unpacked(monkeypatch):
+    """The same tiny Llama built with and without packing gives the same logits for a batch of
+    several rows (bit for bit) and agrees on a single row."""
+    from transformers import LlamaConfig
+
+    from pdserve.engine.models.llama import LlamaModel
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (128, 64), "model.norm.weight": (64,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (64,), p + "post_attention_layernorm.weight": (64,),
+                       p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                       p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
+                       p + "mlp.down_proj.weight": (64, 96)})
+    state = {k: torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
+    packed = LlamaModel(cfg, state, torch.float32, "cpu", 64)
+    monkeypatch.setattr(lin, "_DISABLED", True)
+    plain = LlamaModel(cfg, state, torch.float32, "cpu", 64)
+    assert isinstance(packed.layers[0].wgu, lin.PackedWeight) and isinstance(packed.lm_head, lin.PackedWeight)
+    assert isinstance(plain.layers[0].wgu, torch.Tensor)
+    hidden = torch.randn(5, 64, generator=g)
+    assert torch.equal(packed.logits(hidden), plain.logits(hidden))
+    assert torch.equal(packed.logits(hidden[:1]), plain.logits(hidden[:1]))
