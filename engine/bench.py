@@ -13,6 +13,7 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.linear import PackedWeight
 from pdserve.engine.memory import describe_peak, peak_memory_bytes
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.offline import generate
@@ -51,19 +52,17 @@ def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
 
 def weight_bytes_per_step(runner: ModelRunner) -> int:
     """Bytes of weights a decode step reads: every parameter except the embedding table, which a
-    step only gathers rows from (when it is tied to the output head, the head reads it whole)."""
+    step only gathers rows from (when it is tied to the output head, the head reads it whole). A
+    packed weight (``engine.linear``) counts once: a step reads either its plain or packed copy."""
     seen, total = set(), 0
     m = runner.model
-    for name, t in vars(m).items():
-        if isinstance(t, torch.Tensor) and name not in ("embed", "wte", "wpe", "cos", "sin") and id(t) not in seen:
+    named = [(name, t) for name, t in vars(m).items() if name not in ("embed", "wte", "wpe", "cos", "sin")]
+    named += [(slot, getattr(layer, slot)) for layer in m.layers for slot in layer.__slots__]
+    for _, t in named:
+        t = t.t if isinstance(t, PackedWeight) else t
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
-    for layer in m.layers:
-        for slot in layer.__slots__:
-            t = getattr(layer, slot)
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
     return total
 
 
