@@ -5,8 +5,8 @@ On CPU in float32, a weight is packed once at load time into MKL's own GEMM layo
 linears) and multiplied with ``torch.ops.mkl._mkl_linear``. A plain ``x @ w`` makes MKL re-pack the
 weight on every call: with few rows (a decode step of a handful of sequences) that re-packing reads
 and writes every weight once more, and it costs more than the multiplication itself. Measured on
-the default model's 30 layers, two threads: 26.8 -> 20.6 ms at 4 rows, 34.9 -> 23.6 ms at 8,
-40.6 -> 32.0 ms at 21, 46.2 -> 42.3 ms at 40, equal at 512.
+the default model's 30 layers, two threads: 27.4 -> 20.3 ms at 4 rows, 35.7 -> 24.4 ms at 8,
+38.2 -> 31.1 ms at 21, 43.7 -> 40.0 ms at 40, within a few percent from about 100 rows on.
 
 The packed layout does not depend on the number of rows (it is packed for one row count and
 passed the actual one at each call), and for two rows or more the results are bit-identical to
