@@ -31,6 +31,22 @@ def test_packed_matches_plain_bit_for_bit(rows, bias):
     assert torch.equal(got, want)
 
 
+def test_packed_matches_for_strided_input_and_other_thread_counts():
+    """Packed under one thread count, used under another, with a transposed (strided) input."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        w = torch.randn(96, 160)
+        packed = lin.prepare(w, pack=True)
+        torch.set_num_threads(2)
+        for rows in (2, 5, 64, 300):
+            x = torch.randn(96, rows).t()
+            assert not x.is_contiguous()
+            assert torch.equal(lin.linear(x, packed), x @ w)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [0, 1])
 def test_zero_and_one_row_use_the_plain_weight(rows, monkeypatch):
     w = torch.randn(32, 48)
