@@ -9,7 +9,12 @@ Two measurements, on this machine, between Ray actors (so between processes, as 
    float32), for a 512- and a 2048-token prompt, ``--rounds`` times each after at least
    ``warmup_s`` (1 s) of untimed pushes; reported: the median MB/s (1 MB = 10^6 bytes) of each transport
    in ``TRANSPORTS``, against a plain TCP socket copy (``sendall`` / ``recv_into``) of the same
-   bytes between the same two actors (warmed up alike), and their ratio.
+   bytes between the same two actors (warmed up alike), and their ratio. One more row per size,
+   ``bare-grpcio``, is the ceiling of the library under the gRPC transport: a grpcio client stream
+   of the same bytes in as many messages as the transport's frames, built before the clock starts,
+   with the transport's channel options, into a receiver that drops each message (no header, no
+   checksum, no landing). The gRPC transport cannot beat that row on this machine; its gap to it
+   is what the transport itself costs.
 2. Time to first token under light load, one request at a time, the same prompts both ways:
    colocated (``add_request`` on a colocated worker, until its first delta arrives through
    ``next_outputs``) and disaggregated (``reserve_kv`` on a decode actor, then ``prefill`` on a
@@ -183,9 +188,10 @@ class TransferReceiver:
         self._buf = bytearray(max_bytes)
         self._server = socket.create_server((host, 0))
         threading.Thread(target=self._serve_tcp, daemon=True).start()
+        self._bare = _bare_grpc_server(host)
 
     def addresses(self) -> dict:
-        return {"tcp": "%s:%d" % self._server.getsockname()[:2],
+        return {"tcp": "%s:%d" % self._server.getsockname()[:2], BARE_GRPC: self._bare[1],
                 **{name: r.address for name, r in self.receivers.items()}}
 
     def reserve(self, request_id: str, num_blocks: int) -> list[int]:
@@ -219,6 +225,30 @@ class TransferReceiver:
                 conn.sendall(b"k")
 
 
+BARE_GRPC = "bare-grpcio"  # the library's ceiling row (not a transport: nothing is checked or landed)
+_BARE_METHOD = "/pdserve.bench.Bare/Push"
+
+
+def _bare_grpc_server(host: str):
+    """A grpcio server whose one method takes a client stream of raw-bytes messages, drops each,
+    and answers with the number of bytes it took (as text)."""
+    from concurrent import futures
+
+    import grpc
+
+    from pdserve.kv_transfer.grpc_transport import _CHANNEL_OPTIONS
+
+    def push(request_iterator, context):
+        return str(sum(len(m) for m in request_iterator)).encode()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_CHANNEL_OPTIONS)
+    handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.bench.Bare", {"Push": handler}),))
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    return server, f"{host}:{port}"
+
+
 def _timed(once, rounds: int, warmup_s: float) -> tuple[list[float], int]:
     """Call ``once()`` (it returns the seconds it measured) until ``rounds`` calls are timed: the
     first calls, at least one and for at least ``warmup_s``, are not. Returns the timed seconds and
@@ -232,6 +262,12 @@ def _timed(once, rounds: int, warmup_s: float) -> tuple[list[float], int]:
         if calls > 1 and time.perf_counter() >= warm_until:
             seconds.append(elapsed)
     return seconds, calls - rounds
+
+
+def _pieces(num_layers: int, per_layer: int, frame_bytes: int) -> list[range]:
+    """Layer ranges of about ``frame_bytes`` each (at least one layer), as the prefill worker groups them."""
+    group = max(1, min(num_layers, frame_bytes // per_layer))
+    return [range(lo, min(num_layers, lo + group)) for lo in range(0, num_layers, group)]
 
 
 class TransferSender:
@@ -259,9 +295,7 @@ class TransferSender:
         sender = self.senders[transport]
         data = self._data(num_blocks)
         num_layers = data.shape[1]
-        per_layer = data[:, :1].numel() * data.element_size()
-        group = max(1, min(num_layers, frame_bytes // per_layer))
-        pieces = [range(lo, min(num_layers, lo + group)) for lo in range(0, num_layers, group)]
+        pieces = _pieces(num_layers, data[:, :1].numel() * data.element_size(), frame_bytes)
         nbytes = 0
 
         def once() -> float:
@@ -301,6 +335,32 @@ class TransferSender:
             seconds, _ = _timed(once, rounds, warmup_s)
         return {"bytes": len(raw), "seconds": seconds}
 
+    def bare_grpc(self, address: str, num_blocks: int, frame_bytes: int, rounds: int, warmup_s: float) -> dict:
+        """Time ``rounds`` grpcio client streams of the same bytes, in as many messages as the
+        transport's pieces, built beforehand, over a channel with the gRPC transport's options."""
+        import grpc
+
+        from pdserve.kv_transfer.grpc_transport import _CHANNEL_OPTIONS, _SENDER_OPTIONS
+        from pdserve.kv_transfer.wire import tensor_to_bytes
+
+        data = self._data(num_blocks)
+        messages = [tensor_to_bytes(data[:, layers.start:layers.stop])
+                    for layers in _pieces(data.shape[1], data[:, :1].numel() * data.element_size(), frame_bytes)]
+        total = sum(len(m) for m in messages)
+        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS + _SENDER_OPTIONS) as channel:
+            call = channel.stream_unary(_BARE_METHOD, request_serializer=None, response_deserializer=None)
+
+            def once() -> float:
+                start = time.perf_counter()
+                got = int(call(iter(messages), timeout=120))
+                elapsed = time.perf_counter() - start
+                if got != total:
+                    raise RuntimeError(f"the bare gRPC receiver took {got} of {total} bytes")
+                return elapsed
+
+            seconds, warmup = _timed(once, rounds, warmup_s)
+        return {"bytes": total, "pieces": len(messages), "seconds": seconds, "warmup_pushes": warmup}
+
     def close(self) -> None:
         for s in self.senders.values():
             s.close()
@@ -321,8 +381,11 @@ def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[
             nb = -(-n // bs)
             tcp = ray.get(sender.tcp.remote(addresses["tcp"], nb, rounds, warmup_s))
             tcp_rate = tcp["bytes"] / statistics.median(tcp["seconds"]) / 1e6
-            for name in transports:
-                r = ray.get(sender.push.remote(name, addresses[name], receiver, nb, rounds, frame_bytes, warmup_s))
+            for name in transports + [BARE_GRPC]:
+                if name == BARE_GRPC:
+                    r = ray.get(sender.bare_grpc.remote(addresses[name], nb, frame_bytes, rounds, warmup_s))
+                else:
+                    r = ray.get(sender.push.remote(name, addresses[name], receiver, nb, rounds, frame_bytes, warmup_s))
                 assert r["bytes"] == tcp["bytes"]
                 rate = r["bytes"] / statistics.median(r["seconds"]) / 1e6
                 rows.append({"transport": name, "prompt_tokens": n, "bytes": r["bytes"], "pieces": r["pieces"],
@@ -506,6 +569,9 @@ def format_table(r: dict) -> str:
     for row in r["transfer"]:
         lines.append(f"{row['transport']:<30}{row['prompt_tokens']:>8}{row['bytes'] / 1e6:>9.1f}{row['pieces']:>8}"
                      f"{row['mb_per_s']:>10.1f}{row['raw_tcp_mb_per_s']:>14.1f}{row['ratio_to_raw_tcp']:>8.3f}")
+    if any(row["transport"] == BARE_GRPC for row in r["transfer"]):
+        lines.append(f"({BARE_GRPC}: grpcio alone, the same bytes in as many messages, built beforehand and dropped on "
+                     "arrival: no checksum, no landing; the ceiling of the grpc transport)")
     if r["ttft"]:
         lines += ["", f"TTFT, one request at a time (the prefill worker pushes KV by {r['kv_push']})",
                   f"{'':<30}{'prompt':>8}{'colocated s':>13}{'disagg. s':>11}"

@@ -1,5 +1,5 @@
 """`pdserve bench transfer --quick` runs end to end through the CLI (a smoke test of the benchmark,
-not a speed check): every transport gets a row per prompt size next to the raw TCP copy, and the
+not a speed check): every transport (and the bare grpcio stream) gets a row per prompt size next to the raw TCP copy, and the
 TTFT rows compare colocated and disaggregated on the same prompts. It runs in this process, on the
 session's Ray, to spare a second Ray start (the command starts its own when none is running)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from pdserve.cli import main
-from pdserve.kv_transfer.bench import TRANSPORTS
+from pdserve.kv_transfer.bench import BARE_GRPC, TRANSPORTS
 
 
 def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, capsys):
@@ -24,7 +24,8 @@ def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, ca
 
     sizes = [32, 64]
     rows = {(row["transport"], row["prompt_tokens"]): row for row in r["transfer"]}
-    assert set(rows) == {(t, n) for t in TRANSPORTS for n in sizes}
+    # Every transport, and the bare grpcio stream (the gRPC transport's ceiling), per prompt size.
+    assert set(rows) == {(t, n) for t in [*TRANSPORTS, BARE_GRPC] for n in sizes}
     for (_, n), row in rows.items():
         assert row["bytes"] == -(-n // 16) * 16 * g["bytes_per_token"]
         assert row["pieces"] >= 1 and row["median_s"] > 0
