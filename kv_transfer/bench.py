@@ -13,8 +13,8 @@ Two measurements, on this machine, between Ray actors (so between processes, as 
    ``bare-grpcio``, is the ceiling of the library under the gRPC transport: a grpcio client stream
    of the same bytes in as many messages as the transport's frames, built before the clock starts,
    with the transport's channel options, into a receiver that drops each message (no header, no
-   checksum, no landing). The gRPC transport cannot beat that row on this machine; its gap to it
-   is what the transport itself costs.
+   checksum, no landing). The gap between the gRPC transport's row and this one is what the
+   transport's own work (building, checking and landing frames) costs.
 2. Time to first token under light load, one request at a time, the same prompts both ways:
    colocated (``add_request`` on a colocated worker, until its first delta arrives through
    ``next_outputs``) and disaggregated (``reserve_kv`` on a decode actor, then ``prefill`` on a
