@@ -8,7 +8,7 @@ block table and reads keys and values where they lie, once, in parallel over seq
 thread takes every n-th sequence, all its heads): no copy, no padding, one call per layer.
 
 The arithmetic is the usual one (scores ``q . k * scale`` in float32, a max-subtracted
-softmax, the probability-weighted sum of values), so results agree with
+softmax with a vectorized ``exp`` good to a few ulp, the probability-weighted sum of values), so results agree with
 ``scaled_dot_product_attention`` up to float rounding; the engine's parity tests check the greedy
 tokens against Hugging Face. The kernel is compiled on first use (a few seconds; cached on disk
 by Numba where it can write). Only CPU tensors go through it; other devices use the torch path.
@@ -86,13 +86,39 @@ if numba is not None:
                     _prefetch_elem(rows, nrow + r, c)
         return (table[j] * block_size + pos % block_size) * kvh
 
+    @numba.njit(fastmath=True, inline="always")
+    def _exp_shifted(row, n, m, bits):  # pragma: no cover - compiled
+        # row[t] = exp(row[t] - m) for t < n, where m >= every row[t]. Numba without Intel's SVML
+        # calls libm's scalar expf once per element; this form vectorizes (AVX-512: 16 lanes):
+        # x = k ln2 + r with k integer (ln2 split in two constants, Cody and Waite), exp(r) by a
+        # degree-7 polynomial (Cephes' expf coefficients), and 2**k built from its exponent bits
+        # in ``bits`` (int32 scratch). Relative error at most 3e-7 (a few ulp) on [-87, 0],
+        # measured against float64 (tests); below -87 the result is exp(-87), under 2e-38.
+        # The attention kernel of 30 layers at 28 sequences x 400 tokens: 34.2 -> 31.3 ms.
+        for t in range(n):
+            x = max(row[t] - m, np.float32(-87.0))
+            k = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+            r = x - k * np.float32(0.693359375)
+            r = r - k * np.float32(-2.12194440e-4)
+            y = np.float32(1.9875691500e-4)
+            y = y * r + np.float32(1.3981999507e-3)
+            y = y * r + np.float32(8.3334519073e-3)
+            y = y * r + np.float32(4.1665795894e-2)
+            y = y * r + np.float32(1.6666665459e-1)
+            y = y * r + np.float32(5.0000001201e-1)
+            row[t] = y * r * r + r + np.float32(1.0)
+            bits[t] = (np.int32(k) + np.int32(127)) << 23
+        two_k = bits[:n].view(np.float32)
+        for t in range(n):
+            row[t] *= two_k[t]
+
     @numba.njit(fastmath=True, cache=True, nogil=True)
     def _attend_one(q, k_rows, v_rows, table, lo, hi, block_size, kvh, scale, out, scores,
-                    acc):  # pragma: no cover - compiled
+                    acc, bits):  # pragma: no cover - compiled
         # One sequence, all its heads: q, out [H, D]; k_rows/v_rows: the pool as
         # [num_blocks * block_size * KVH, D] (row of slot s, KV head h = s * KVH + h); the sequence
-        # attends to positions lo .. hi - 1 of its block table. scores [H, >= hi - lo] and acc [H, D]
-        # are the caller's scratch. A token's KV heads are adjacent rows, so one sequence reads
+        # attends to positions lo .. hi - 1 of its block table. scores [H, >= hi - lo], acc [H, D]
+        # and bits [>= hi - lo] (int32) are the caller's scratch. A token's KV heads are adjacent rows, so one sequence reads
         # its keys (then its values) block by block, front to back; every row operation is a
         # contiguous loop over the head dimension, which vectorizes.
         H = q.shape[0]
@@ -110,11 +136,10 @@ if numba is not None:
             m = scores[h, 0]
             for t in range(1, n):
                 m = max(m, scores[h, t])
+            _exp_shifted(scores[h], n, m, bits)
             total = np.float32(0.0)
             for t in range(n):
-                e = np.exp(scores[h, t] - m)
-                scores[h, t] = e
-                total += e
+                total += scores[h, t]
             inv = np.float32(1.0) / total
             for t in range(n):
                 scores[h, t] *= inv
@@ -140,9 +165,10 @@ if numba is not None:
                 longest = max(longest, ctx_end[b] - ctx_start[b])
             scores = np.empty((H, longest), dtype=np.float32)
             acc = np.empty((H, D), dtype=np.float32)
+            bits = np.empty(longest, dtype=np.int32)
             for b in range(w, B, workers):
                 _attend_one(q[b], k_rows, v_rows, block_tables[b], ctx_start[b], ctx_end[b], block_size, kvh,
-                            scale, out[b], scores, acc)
+                            scale, out[b], scores, acc, bits)
 
     @numba.njit(fastmath=True, cache=True, nogil=True)
     def _decode_serial(q, k_rows, v_rows, block_tables, ctx_start, ctx_end, block_size, kvh, scale, out,
@@ -155,9 +181,10 @@ if numba is not None:
             longest = max(longest, ctx_end[b] - ctx_start[b])
         scores = np.empty((H, longest), dtype=np.float32)
         acc = np.empty((H, D), dtype=np.float32)
+        bits = np.empty(longest, dtype=np.int32)
         for b in range(B):
             _attend_one(q[b], k_rows, v_rows, block_tables[b], ctx_start[b], ctx_end[b], block_size, kvh, scale,
-                        out[b], scores, acc)
+                        out[b], scores, acc, bits)
 
 # Below this many (context tokens x KV heads) in a step, the serial kernel runs.
 SERIAL_BELOW = 4096

@@ -76,3 +76,20 @@ def test_runner_decode_step_same_with_and_without_the_kernel(kind, tiny_model, r
     runner.paged_decode = False
     slow = runner.execute(items)
     assert torch.allclose(fast, slow, atol=1e-4, rtol=0)
+
+
+def test_vectorized_exp_within_a_few_ulp_of_exact():
+    """The kernel's softmax ``exp`` (``_exp_shifted``: polynomial, not libm) against float64, over
+    the whole range a max-subtracted score takes, including the clamp below -87 and exactly 0."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([-rng.random(200_000) * 90, -rng.random(10_000) * 1e-3, [0.0, -1e-30, -87.0, -200.0]])
+    for m in (0.0, 1.5, -3.25):  # the kernel subtracts the row's maximum itself
+        row = (x + m).astype(np.float32)
+        shifted = (row - np.float32(m)).astype(np.float64)  # what the kernel exponentiates, exactly
+        bits = np.empty(len(row), dtype=np.int32)
+        paged_decode._exp_shifted(row, len(row), np.float32(m), bits)
+        inside = shifted >= -87.0
+        rel = np.abs(row[inside] - np.exp(shifted[inside])) / np.exp(shifted[inside])
+        assert rel.max() < 4e-7, (m, rel.max())  # measured 3.0e-7 at worst: a few ulp
+        assert np.all(row[~inside] > 0) and np.all(row[~inside] < 2e-38)
+        assert row[np.flatnonzero(shifted == 0.0)].tolist() == [1.0] * int((shifted == 0.0).sum())
