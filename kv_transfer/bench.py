@@ -381,7 +381,8 @@ def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[
             nb = -(-n // bs)
             tcp = ray.get(sender.tcp.remote(addresses["tcp"], nb, rounds, warmup_s))
             tcp_rate = tcp["bytes"] / statistics.median(tcp["seconds"]) / 1e6
-            for name in transports + [BARE_GRPC]:
+            # The bare-grpcio row is the gRPC transport's ceiling: measured only beside that transport.
+            for name in transports + ([BARE_GRPC] if "grpc" in transports else []):
                 if name == BARE_GRPC:
                     r = ray.get(sender.bare_grpc.remote(addresses[name], nb, frame_bytes, rounds, warmup_s))
                 else:

@@ -1,5 +1,5 @@
 """`pdserve bench transfer --quick` runs end to end through the CLI (a smoke test of the benchmark,
-not a speed check): every transport (and the bare grpcio stream) gets a row per prompt size next to the raw TCP copy, and the
+not a speed check): every transport (and, beside the gRPC one, the bare grpcio stream) gets a row per prompt size next to the raw TCP copy, and the
 TTFT rows compare colocated and disaggregated on the same prompts. It runs in this process, on the
 session's Ray, to spare a second Ray start (the command starts its own when none is running)."""
 
@@ -55,3 +55,14 @@ def test_bench_transfer_is_registered_in_the_cli():
     from pdserve.cli import BENCH_COMMANDS
 
     assert ("transfer", "pdserve.kv_transfer.bench") in [(n, m) for n, m, _ in BENCH_COMMANDS]
+
+
+def test_bare_grpcio_row_only_beside_the_grpc_transport(ray_cluster):
+    """The bare-grpcio row is the gRPC transport's ceiling: a collective-only run has none."""
+    import ray
+
+    from pdserve.kv_transfer.bench import measure_transfer
+
+    geo = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16, "dtype": "float32"}
+    rows = measure_transfer(ray, geo, [32], ["collective"], rounds=1, frame_bytes=1 << 20, warmup_s=0.0)
+    assert [(r["transport"], r["prompt_tokens"]) for r in rows] == [("collective", 32)]
