@@ -8,10 +8,10 @@ block table and reads keys and values where they lie, once, in parallel over seq
 thread takes every n-th sequence, all its heads): no copy, no padding, one call per layer.
 
 The arithmetic is the usual one (scores ``q . k * scale`` in float32, a max-subtracted
-softmax with a vectorized ``exp`` good to a few ulp, the probability-weighted sum of values), so results agree with
-``scaled_dot_product_attention`` up to float rounding; the engine's parity tests check the greedy
-tokens against Hugging Face. The kernel is compiled on first use (a few seconds; cached on disk
-by Numba where it can write). Only CPU tensors go through it; other devices use the torch path.
+softmax with a vectorized ``exp`` good to a few ulp, the probability-weighted sum of values), so
+results agree with ``scaled_dot_product_attention`` up to float rounding; the engine's parity
+tests check the greedy tokens against Hugging Face. The kernel is compiled on first use (a few
+seconds; cached on disk by Numba where it can write). Only CPU tensors go through it; other devices use the torch path.
 """
 
 from __future__ import annotations
@@ -118,9 +118,9 @@ if numba is not None:
         # One sequence, all its heads: q, out [H, D]; k_rows/v_rows: the pool as
         # [num_blocks * block_size * KVH, D] (row of slot s, KV head h = s * KVH + h); the sequence
         # attends to positions lo .. hi - 1 of its block table. scores [H, >= hi - lo], acc [H, D]
-        # and bits [>= hi - lo] (int32) are the caller's scratch. A token's KV heads are adjacent rows, so one sequence reads
-        # its keys (then its values) block by block, front to back; every row operation is a
-        # contiguous loop over the head dimension, which vectorizes.
+        # and bits [>= hi - lo] (int32) are the caller's scratch. A token's KV heads are adjacent
+        # rows, so one sequence reads its keys (then its values) block by block, front to back;
+        # every row operation is a contiguous loop over the head dimension, which vectorizes.
         H = q.shape[0]
         group = H // kvh
         n = hi - lo
