@@ -11,7 +11,8 @@ The arithmetic is the usual one (scores ``q . k * scale`` in float32, a max-subt
 softmax with a vectorized ``exp`` good to a few ulp, the probability-weighted sum of values), so
 results agree with ``scaled_dot_product_attention`` up to float rounding; the engine's parity
 tests check the greedy tokens against Hugging Face. The kernel is compiled on first use (a few
-seconds; cached on disk by Numba where it can write). Only CPU tensors go through it; other devices use the torch path.
+seconds; cached on disk by Numba where it can write). Only CPU tensors go through it; other
+devices use the torch path.
 """
 
 from __future__ import annotations
