@@ -28,7 +28,9 @@ def prefill_runner(tiny, one_thread):
 
 def prefill(runner: ModelRunner, prompt: list[int]) -> tuple[list[int], int]:
     """Compute ``prompt``'s KV into fresh blocks of ``runner``; return the blocks and token #1."""
-    runner.allocator.allocate(5)  # so that block ids differ from the decode side's
+    # Skip past any ids the decode side can hold: there the running colocated request takes at
+    # most ceil((9 + 30) / 4) = 10 blocks, so the reservation lies below id 16 and ours above 20.
+    runner.allocator.allocate(20)
     blocks = runner.allocator.allocate(-(-len(prompt) // runner.block_size))
     logits = runner.execute([BatchItem(prompt, 0, blocks, sample=True)])
     return blocks, int(logits[0].argmax())
