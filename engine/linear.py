@@ -15,6 +15,10 @@ MKL's matrix-vector path, which is faster than the packed kernel (14.6 against 1
 layers) and rounds differently, so single-row products keep the plain weight: a packed weight
 holds both, about twice the weight memory (``PDSERVE_PACKED_WEIGHTS=0`` turns packing off).
 
+Weights whose values are 4-bit groups (the default model's projections: GGUF ``Q4_1``) also
+keep that form (``engine/quantized.py``), and products of up to ``quantized.MAX_ROWS`` rows (decode
+steps) use it: they read 0.625 bytes a weight instead of 4. Larger products (prefill) stay on MKL.
+
 Elsewhere (CUDA, bfloat16, torch builds without MKL) weights stay plain tensors and ``linear`` is
 ``x @ w``.
 """
@@ -24,6 +28,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from pdserve.engine import quantized
 
 _DISABLED = os.environ.get("PDSERVE_PACKED_WEIGHTS", "1") == "0"
 _PACK_ROWS_HINT = 64  # the row count MKL is told at packing; the layout is the same for any
@@ -37,12 +43,14 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedWeight:
-    """A ``[in, out]`` weight kept plain (``t``, for single-row products) and packed for MKL."""
+    """A ``[in, out]`` weight kept plain (``t``, for single-row products) and packed for MKL, and
+    as 4-bit groups (``q4``) when its values are such groups and the kernel runs here."""
 
-    __slots__ = ("t", "packed", "_out_in")
+    __slots__ = ("t", "packed", "_out_in", "q4")
 
     def __init__(self, w_in_out: torch.Tensor) -> None:
         self.t = w_in_out
+        self.q4 = quantized.pack_q4_1(w_in_out) if quantized.kernel() is not None else None
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w_in_out.t().contiguous(), _PACK_ROWS_HINT)
         # ``_mkl_linear`` reads only the shape and dtype of the unpacked ``[out, in]`` weight when
         # the packed one is used: a zero-stride view of one element carries them without memory.
@@ -62,6 +70,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | No
     """``x @ w + b`` for ``x`` ``[rows, in]`` and ``w`` ``[in, out]`` (plain or packed)."""
     if isinstance(w, PackedWeight):
         rows = x.shape[0]
+        if w.q4 is not None and 0 < rows <= quantized.MAX_ROWS:
+            y = quantized.q4_linear(x, w.q4)
+            return y.add_(b) if b is not None else y
         if rows > 1:
             return torch.ops.mkl._mkl_linear(x, w.packed, w._out_in, b, rows)
         w = w.t
