@@ -7,7 +7,7 @@
  * per column.
  *
  * Each weight is rebuilt in float32 with one fused multiply-add, which gives exactly the float32
- * value d * q + m (d * q is exact: 11 by 4 significant bits), then multiplied into up to 24 rows
+ * value d * q + m (d * q is exact: 11 by 4 significant bits), then multiplied into up to 26 rows
  * of x held in registers. Products are summed in k order per row; float32 throughout. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,7 +17,7 @@
 #define TILE 16
 #define GROUP 32
 #define GROUP_BYTES 320
-#define MAX_R 24
+#define MAX_R 26
 
 int q4_supported(void) {
     __builtin_cpu_init();
@@ -30,7 +30,7 @@ tile_rows(const uint8_t *wt, int groups, const float *xt, int R, int ldx, float 
     /* each group's 32 products are summed in registers, then added to the row's total in y (in
      * L1): a sum of K / 32 partial sums rounds like a blocked GEMM, not like one long chain */
     __m512 acc[MAX_R];
-#pragma GCC unroll 24
+#pragma GCC unroll 26
     for (int r = 0; r < MAX_R; r++)
         if (r < R) _mm512_storeu_ps(y + (size_t)r * ldy, _mm512_setzero_ps());
     const __m512i low = _mm512_set1_epi32(0xF);
@@ -39,21 +39,21 @@ tile_rows(const uint8_t *wt, int groups, const float *xt, int R, int ldx, float 
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wt + 32)));
         const uint8_t *q = wt + 64;
         const float *xk = xt + (size_t)g * GROUP * ldx;
-#pragma GCC unroll 24
+#pragma GCC unroll 26
         for (int r = 0; r < MAX_R; r++)
             if (r < R) acc[r] = _mm512_setzero_ps();
         for (int p = 0; p < GROUP / 2; p++, q += TILE, xk += 2 * ldx) {
             const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
             const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d, m);
             const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, m);
-#pragma GCC unroll 24
+#pragma GCC unroll 26
             for (int r = 0; r < MAX_R; r++)
                 if (r < R) {
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), w0, acc[r]);
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[ldx + r]), w1, acc[r]);
                 }
         }
-#pragma GCC unroll 24
+#pragma GCC unroll 26
         for (int r = 0; r < MAX_R; r++)
             if (r < R) {
                 float *yr = y + (size_t)r * ldy;
@@ -70,6 +70,12 @@ tile(const uint8_t *wt, int groups, const float *xt, int R, int ldx, float *y, i
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
         CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
         CASE(17) CASE(18) CASE(19) CASE(20) CASE(21) CASE(22) CASE(23) CASE(24)
+#if MAX_R > 24
+        CASE(25) CASE(26)
+#endif
+#if MAX_R > 26
+        CASE(27) CASE(28)
+#endif
     }
 }
 
