@@ -7,7 +7,12 @@ one process tree, one after the other, on the same model with the same thread co
 - pdserve: ONE colocated worker actor (``start_workers``), driven as the router drives it: every
   request through ``add_request``, all outputs through ``next_outputs`` long polls. The KV pool is
   sized to hold the whole workload (``--kv-memory`` overrides), so the figures measure batching,
-  not memory pressure (preemptions are reported).
+  not memory pressure (preemptions are reported). The scheduler runs with an offline token budget,
+  ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` (2048) tokens a step, as vLLM gives its offline ``LLM`` class a
+  larger budget than its server: nobody is waiting on a stream, so larger prefill chunks (better
+  matrix shapes, fewer steps) are worth their longer steps. The worker's own default (512, used
+  by ``pdserve serve``) keeps inter-token latency down instead; ``--max-num-batched-tokens``
+  overrides.
 - Hugging Face ``generate()``: static batches of ``--hf-batch-size`` (16) in arrival order, left
   padded, each run to the longest output of its batch (``max_new_tokens`` = the batch's longest
   output, as a naive user would); only each request's own output tokens count as useful.
@@ -34,6 +39,7 @@ import torch
 
 from pdserve.engine.memory import describe_peak, peak_memory_bytes
 
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048  # the scheduler's token budget for this offline run (see above)
 QUICK = dict(num_requests=8, prompt_len=(16, 64), output_len=(8, 32), hf_batch_size=4, matmul_size=1024)
 FULL = dict(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), hf_batch_size=16, matmul_size=2048)
 
@@ -50,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="scheduler: most sequences per step (default: the worker's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="scheduler: token budget per step (default: the worker's)")
+                   help=f"scheduler: token budget per step (default {OFFLINE_MAX_NUM_BATCHED_TOKENS}, an offline "
+                        "budget; `pdserve serve` uses the worker's 512)")
     p.add_argument("--kv-memory", default=None, metavar="SIZE",
                    help="KV pool size, e.g. 1GiB (default: exactly what the workload needs)")
     p.add_argument("--quick", action="store_true",
@@ -131,8 +138,7 @@ def run_pdserve(model: str, threads: int, work: list[tuple[list[int], int]], num
     sched = SchedulerConfig()
     if max_num_seqs:
         sched.max_num_seqs = max_num_seqs
-    if max_num_batched_tokens:
-        sched.max_num_batched_tokens = max_num_batched_tokens
+    sched.max_num_batched_tokens = max_num_batched_tokens or OFFLINE_MAX_NUM_BATCHED_TOKENS
     (worker,) = start_workers(WorkerConfig(engine=engine, scheduler=sched), num_workers=1, num_cpus=1,
                               name_prefix=f"pdserve-bench-offline-{os.getpid()}")
     try:
@@ -362,7 +368,8 @@ def format_table(r: dict) -> str:
         f"pdserve decode:  {o['decode']['tokens']} tokens in {o['decode']['step_seconds']:.2f} s of decode-only "
         f"steps = {o['decode']['tokens_per_s']:.0f} tok/s, "
         f"{100 * o['decode']['fraction_of_compute_bound']:.1f}% of the bound",
-        f"pdserve: {o['num_steps']} steps, {o['next_outputs_calls']} next_outputs answers, "
+        f"pdserve: {o['num_steps']} steps (at most {o['max_num_seqs']} sequences and "
+        f"{o['max_num_batched_tokens']} tokens each), {o['next_outputs_calls']} next_outputs answers, "
         f"{o['num_preemptions']} preemptions, {o['kv_blocks']} KV blocks of {o['block_size']}; "
         f"HF computed {h['generated_tokens']} output tokens for {w['output_tokens']} useful",
         f"outputs identical to HF's: {r['outputs_identical_to_hf']} of {w['num_requests']} requests "

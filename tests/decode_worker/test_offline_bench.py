@@ -26,6 +26,10 @@ def test_bench_offline_quick_reports_every_figure(ray_cluster, actors, tiny, one
         assert o[phase]["tokens_per_s"] > 0
         assert o[phase]["fraction_of_compute_bound"] > 0
     assert 0 < o["next_outputs_calls"] <= o["num_steps"]
+    # the offline token budget unless one is given (the server's default is smaller)
+    from pdserve.decode_worker.bench import OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from pdserve.decode_worker.scheduler import SchedulerConfig
+    assert o["max_num_batched_tokens"] == OFFLINE_MAX_NUM_BATCHED_TOKENS > SchedulerConfig().max_num_batched_tokens
     b = r["compute_bound"]
     assert b["matmul_gflops_per_s"] > 0
     assert b["decode_flops_per_token"] > b["prefill_flops_per_token"] > 0
