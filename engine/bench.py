@@ -53,13 +53,18 @@ def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
 def weight_bytes_per_step(runner: ModelRunner) -> int:
     """Bytes of weights a decode step reads: every parameter except the embedding table, which a
     step only gathers rows from (when it is tied to the output head, the head reads it whole). A
-    packed weight (``engine.linear``) counts once: a step reads either its plain or packed copy."""
+    packed weight (``engine.linear``) counts once, as the copy a single-row product reads: its
+    4-bit groups where it has them, else its plain float32 copy."""
     seen, total = set(), 0
     m = runner.model
     named = [(name, t) for name, t in vars(m).items() if name not in ("embed", "wte", "wpe", "cos", "sin")]
     named += [(slot, getattr(layer, slot)) for layer in m.layers for slot in layer.__slots__]
     for _, t in named:
-        t = t.t if isinstance(t, PackedWeight) else t
+        if isinstance(t, PackedWeight):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.step_bytes
+            continue
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()

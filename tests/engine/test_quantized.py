@@ -98,3 +98,21 @@ def test_kernel_takes_strided_input_and_any_thread_count():
             assert torch.allclose(q4.q4_linear(x, packed), x @ w, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_a_4bit_weight_drops_its_plain_copy_and_counts_as_its_4bit_bytes():
+    if not lin.packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no MKL (or PDSERVE_PACKED_WEIGHTS=0)")
+    from types import SimpleNamespace
+
+    from pdserve.engine.bench import weight_bytes_per_step
+
+    w = q4_1_weight(64, 32, seed=5)
+    pw = lin.prepare(w, pack=True)
+    plain = lin.prepare(torch.randn(64, 32), pack=True)
+    assert pw.t is None and pw.shape == (64, 32) and pw.step_bytes == 64 * 32 * 5 // 8
+    assert plain.q4 is None and plain.step_bytes == 64 * 32 * 4
+    layer = SimpleNamespace(__slots__=("a", "b"), a=pw, b=pw)  # one weight under two names: once
+    model = SimpleNamespace(layers=[layer], head=plain)
+    assert weight_bytes_per_step(SimpleNamespace(model=model)) == pw.step_bytes + plain.step_bytes
