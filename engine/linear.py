@@ -15,9 +15,10 @@ MKL's matrix-vector path, which is faster than the packed kernel (14.6 against 1
 layers) and rounds differently, so single-row products keep the plain weight: a packed weight
 holds both, about twice the weight memory (``PDSERVE_PACKED_WEIGHTS=0`` turns packing off).
 
-Weights whose values are 4-bit groups (the default model's projections: GGUF ``Q4_1``) also
-keep that form (``engine/quantized.py``), and products of up to ``quantized.MAX_ROWS`` rows (decode
-steps) use it: they read 0.625 bytes a weight instead of 4. Larger products (prefill) stay on MKL.
+Weights whose values are GGUF's quantized groups (the default model's projections are ``Q4_1``,
+its output head ``Q8_0``) also keep that form (``engine/quantized.py``), and products of up to
+``quantized.MAX_ROWS`` rows (decode steps) use it: they read 0.625 (Q4_1) or 1.06 (Q8_0) bytes a
+weight instead of 4. Larger products (prefill) stay on MKL.
 
 Elsewhere (CUDA, bfloat16, torch builds without MKL) weights stay plain tensors and ``linear`` is
 ``x @ w``.
@@ -43,15 +44,15 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedWeight:
-    """A ``[in, out]`` weight packed for MKL, and also kept either as 4-bit groups (``q4``, when its
-    values are such groups and the kernel runs here) or plain (``t``): single-row products, and
-    with ``q4`` every product of up to ``quantized.MAX_ROWS`` rows, use that second copy."""
+    """A ``[in, out]`` weight packed for MKL, and also kept either as quantized groups (``quant``, when
+    its values are such groups and the kernel runs here) or plain (``t``): single-row products, and
+    with ``quant`` every product of up to ``quantized.MAX_ROWS`` rows, use that second copy."""
 
-    __slots__ = ("t", "packed", "_out_in", "q4")
+    __slots__ = ("t", "packed", "_out_in", "quant")
 
     def __init__(self, w_in_out: torch.Tensor) -> None:
-        self.q4 = quantized.pack_q4_1(w_in_out) if quantized.kernel() is not None else None
-        self.t = w_in_out if self.q4 is None else None  # with q4, single rows go there: 0.5 GB less
+        self.quant = quantized.pack(w_in_out) if quantized.kernel() is not None else None
+        self.t = w_in_out if self.quant is None else None  # with it, single rows go there: 0.5 GB less
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w_in_out.t().contiguous(), _PACK_ROWS_HINT)
         # ``_mkl_linear`` reads only the shape and dtype of the unpacked ``[out, in]`` weight when
         # the packed one is used: a zero-stride view of one element carries them without memory.
@@ -63,8 +64,8 @@ class PackedWeight:
 
     @property
     def step_bytes(self) -> int:
-        """Bytes a single-row product reads: the 4-bit or the plain copy."""
-        return self.q4.nbytes if self.q4 is not None else self.t.numel() * self.t.element_size()
+        """Bytes a single-row product reads: the quantized or the plain copy."""
+        return self.quant.nbytes if self.quant is not None else self.t.numel() * self.t.element_size()
 
 
 def prepare(w_in_out: torch.Tensor, pack: bool) -> torch.Tensor | PackedWeight:
@@ -76,8 +77,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | No
     """``x @ w + b`` for ``x`` ``[rows, in]`` and ``w`` ``[in, out]`` (plain or packed)."""
     if isinstance(w, PackedWeight):
         rows = x.shape[0]
-        if w.q4 is not None and 0 < rows <= quantized.MAX_ROWS:
-            y = quantized.q4_linear(x, w.q4)
+        if w.quant is not None and 0 < rows <= quantized.MAX_ROWS:
+            y = quantized.quant_linear(x, w.quant)
             return y.add_(b) if b is not None else y
         if rows > 1 or w.t is None:
             return torch.ops.mkl._mkl_linear(x, w.packed, w._out_in, b, rows)

@@ -1,15 +1,17 @@
-"""Projection weights that hold 4-bit values, multiplied in that form when a step has few rows.
+"""Weights that hold GGUF's quantized values, multiplied in that form when a step has few rows.
 
-The default model is a GGUF file whose projections are ``Q4_1``: in each group of 32 inputs of an
-output, every weight is ``d * q + m`` with ``q`` in 0..15 and ``d``, ``m`` float16. ``transformers``
-dequantizes them to float32 and so do we, but a float32 copy is 4 bytes a weight, and a decode
-step of a few dozen rows reads every weight once: it waits on memory, not on arithmetic (MKL runs
-it at under half the machine's matrix rate). Kept as ``q``, ``d`` and ``m`` (0.625 bytes a weight),
-the same weights are rebuilt in registers, exactly, and multiplied there (``csrc/q4_gemm.c``).
+The default model is a GGUF file whose projections are ``Q4_1`` (in each group of 32 inputs of an
+output, every weight is ``d * q + m`` with ``q`` in 0..15 and ``d``, ``m`` float16) and whose
+embedding, which is also its output head, is ``Q8_0`` (``d * q``, ``q`` in -128..127).
+``transformers`` dequantizes them to float32 and so do we, but a float32 copy is 4 bytes a weight,
+and a decode step of a few dozen rows reads every weight once: it waits on memory, not on
+arithmetic (MKL runs it at under half the machine's matrix rate). Kept as ``q``, ``d`` (and ``m``):
+0.625 bytes a weight for Q4_1, 1.0625 for Q8_0, the same weights are rebuilt in registers, exactly,
+and multiplied there (``csrc/quant_gemm.c``).
 
-Nothing is approximated: ``pack_q4_1`` recovers ``d``, ``q`` and ``m`` from the float32 weight and
-keeps them only when ``d * q + m`` gives back every weight bit for bit (so only weights that are
-Q4_1 values to begin with qualify; other models keep the float32 path). The kernel rebuilds each
+Nothing is approximated: ``pack`` recovers ``d``, ``q`` (and ``m``) from the float32 weight and
+keeps them only when they give back every weight bit for bit (so only weights that are such
+values to begin with qualify; other models keep the float32 path). The kernel rebuilds each
 weight with one fused multiply-add, which is exactly that float32 value (``d * q`` is exact), and
 sums the products in float32, by groups of 32 and then across groups, as a blocked GEMM does.
 The order of the additions differs from MKL's, so results differ from the float32 path by
@@ -17,7 +19,7 @@ rounding only (about 1e-6 relative), which the parity tests against ``transforme
 
 The kernel needs x86-64 with AVX-512 and a C compiler (``cc``): it is compiled on first use into
 the pdserve cache (``$PDSERVE_CACHE``, default ``~/.cache/pdserve``). Without either, or with
-``PDSERVE_Q4=0``, weights stay on the float32 path.
+``PDSERVE_QUANT_KERNEL=0``, weights stay on the float32 path.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per (d, m) pair
 TILE = 16  # outputs per packed column tile
-GROUP_BYTES = 320  # a tile's group: d[16] and m[16] float16, then 16 rows of 16 nibble pairs
+Q4_1, Q8_0 = 0, 1  # the formats, as the kernel numbers them
 MAX_ROWS = 40  # above this many rows MKL's float32 GEMM is faster (compute, not memory, bound)
 
-_SOURCE = Path(__file__).with_name("csrc") / "q4_gemm.c"
-_DISABLED = os.environ.get("PDSERVE_Q4", "1") == "0"
+_SOURCE = Path(__file__).with_name("csrc") / "quant_gemm.c"
+_DISABLED = os.environ.get("PDSERVE_QUANT_KERNEL", "1") == "0"
 _lib = None
 _lib_error: str | None = None
 _lib_lock = threading.Lock()
@@ -56,7 +58,7 @@ def _build() -> ctypes.CDLL:
     src = _SOURCE.read_bytes()
     flags = ["-O3", "-fopenmp", "-shared", "-fPIC"]
     tag = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"q4_gemm-{tag}.so"
+    out = _cache_dir() / f"quant_gemm-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -71,11 +73,11 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(out))
-    lib.q4_supported.restype = ctypes.c_int
-    lib.q4_gemm.restype = None
-    lib.q4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                            ctypes.c_void_p, ctypes.c_int]
-    if not lib.q4_supported():
+    lib.quant_supported.restype = ctypes.c_int
+    lib.quant_gemm.restype = None
+    lib.quant_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    if not lib.quant_supported():
         raise RuntimeError("this CPU has no AVX-512")
     return lib
 
@@ -88,13 +90,13 @@ def kernel():
     with _lib_lock:
         if _lib is None and _lib_error is None:
             if _DISABLED:
-                _lib_error = "PDSERVE_Q4=0"
+                _lib_error = "PDSERVE_QUANT_KERNEL=0"
             else:
                 try:
                     _lib = _build()
                 except Exception as exc:  # no compiler, no AVX-512, an unwritable cache: float32 path
                     _lib_error = str(exc) or type(exc).__name__
-                    logger.info("4-bit projection kernel unavailable (%s); using float32 weights", _lib_error)
+                    logger.info("quantized-weight kernel unavailable (%s); using float32 weights", _lib_error)
     return _lib
 
 
@@ -103,12 +105,13 @@ def unavailable_reason() -> str | None:
     return _lib_error
 
 
-class Q4Weight:
-    """A ``[in, out]`` weight as packed 4-bit groups (see ``csrc/q4_gemm.c`` for the layout)."""
+class QuantWeight:
+    """A ``[in, out]`` weight as packed groups of ``fmt`` (see ``csrc/quant_gemm.c`` for the layout)."""
 
-    __slots__ = ("packed", "in_features", "out_features")
+    __slots__ = ("fmt", "packed", "in_features", "out_features")
 
-    def __init__(self, packed: torch.Tensor, in_features: int, out_features: int) -> None:
+    def __init__(self, fmt: int, packed: torch.Tensor, in_features: int, out_features: int) -> None:
+        self.fmt = fmt
         self.packed = packed
         self.in_features = in_features
         self.out_features = out_features
@@ -123,57 +126,74 @@ def _f16_step(d: torch.Tensor, step: int) -> torch.Tensor:
     return (d.view(torch.int16) + step).view(torch.float16)
 
 
-def pack_q4_1(w_in_out: torch.Tensor) -> Q4Weight | None:
-    """``w`` (float32 ``[in, out]``) as Q4_1 groups, if every weight is exactly ``d * q + m`` for
-    float16 ``d >= 0``, ``m`` and ``q`` in 0..15 over groups of 32 inputs; else ``None``."""
-    K, N = w_in_out.shape
-    if w_in_out.dtype != torch.float32 or K % GROUP or N % TILE or w_in_out.device.type != "cpu":
-        return None
-    w = w_in_out.t().reshape(N, K // GROUP, GROUP)  # [out, group, 32]
-    m = w.amin(-1)
-    if not torch.equal(m.half().float(), m):
-        return None
-    span = w.amax(-1) - m
-    base = (span / 15).half()  # llama.cpp's Q4_1: d = (max - min) / 15, so the max has q = 15
+def _recover(w: torch.Tensor, m: torch.Tensor, base: torch.Tensor, lo: int, hi: int):
+    """Per group of ``w`` (``[out, groups, 32]``): the float16 ``d`` (``base`` or a neighbour: the
+    rounding of the quantizer's ``d`` to float16) and the integers ``q`` in ``lo..hi`` with
+    ``d * q + m == w`` exactly, or ``None`` if some group has none."""
+    zero = base == 0
     d = base.clone()
-    ok = torch.zeros_like(m, dtype=torch.bool)
-    q = torch.zeros(w.shape, dtype=torch.uint8)
-    for step in (0, 1, -1, 2, -2):  # float16 rounding of d: the exact one is base or a neighbour
+    ok = torch.zeros(base.shape, dtype=torch.bool)
+    q = torch.zeros(w.shape, dtype=torch.int16)
+    for step in (0, 1, -1, 2, -2):
         cand = _f16_step(base, step) if step else base
-        cand = torch.where(span == 0, torch.ones_like(cand), cand)
+        cand = torch.where(zero, torch.ones_like(cand), cand)  # all weights equal: q = 0
         todo = ~ok & torch.isfinite(cand.float()) & (cand.float() > 0)
         if not todo.any():
             break
         cf = cand.float()[todo].unsqueeze(-1)
-        qi = torch.round((w[todo] - m[todo].unsqueeze(-1)) / cf).clamp_(0, 15)
-        good = ((qi * cf + m[todo].unsqueeze(-1)) == w[todo]).all(-1)
-        idx = todo.nonzero(as_tuple=True)
-        sel = tuple(i[good] for i in idx)
+        mt = m[todo].unsqueeze(-1)
+        qi = torch.round((w[todo] - mt) / cf).clamp_(lo, hi)
+        good = ((qi * cf + mt) == w[todo]).all(-1)
+        sel = tuple(i[good] for i in todo.nonzero(as_tuple=True))
         d[sel] = cand[sel]
-        q[sel] = qi[good].to(torch.uint8)
+        q[sel] = qi[good].to(torch.int16)
         ok[sel] = True
         if bool(ok.all()):
             break
     if not bool(ok.all()):
         return None
-    d = torch.where(span == 0, torch.zeros_like(d), d)
-    # [out, in] -> tiles of 16 outputs: per tile and group, d[16], m[16], then per input pair
-    # (2p, 2p + 1) a byte per output with the even input in the low nibble
+    return torch.where(zero, torch.zeros_like(d), d), q
+
+
+def pack(w_in_out: torch.Tensor) -> QuantWeight | None:
+    """``w`` (float32 ``[in, out]``) as Q4_1 or Q8_0 groups of 32 inputs if its values are exactly
+    such groups (float16 ``d >= 0`` and ``m``), else ``None``."""
+    K, N = w_in_out.shape
+    if w_in_out.dtype != torch.float32 or K % GROUP or N % TILE or w_in_out.device.type != "cpu":
+        return None
+    w = w_in_out.t().reshape(N, K // GROUP, GROUP)  # [out, group, 32]
     T, G = N // TILE, K // GROUP
-    qq = q.view(T, TILE, G, GROUP // 2, 2)
-    nib = (qq[..., 0] | (qq[..., 1] << 4)).permute(0, 2, 3, 1)  # [T, G, 16 pairs, 16 outputs]
-    dd = d.view(T, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8)  # [T, G, 32 bytes]
-    mm = m.half().view(T, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8)
-    packed = torch.cat([dd, mm, nib.reshape(T, G, 256)], dim=-1).contiguous()
-    return Q4Weight(packed.view(-1), K, N)
+    # Q4_1 as llama.cpp quantizes: m is the group's minimum (q = 0), d = (max - min) / 15 (q = 15)
+    m = w.amin(-1)
+    if torch.equal(m.half().float(), m):
+        found = _recover(w, m, ((w.amax(-1) - m) / 15).half(), 0, 15)
+        if found is not None:
+            d, q = found
+            # per tile and group: d[16], m[16], then per input pair (2p, 2p + 1) a byte per output
+            # with the even input in the low nibble
+            qq = q.to(torch.uint8).view(T, TILE, G, GROUP // 2, 2)
+            nib = (qq[..., 0] | (qq[..., 1] << 4)).permute(0, 2, 3, 1).reshape(T, G, 256)
+            return QuantWeight(Q4_1, torch.cat([_per_tile(d, T, G), _per_tile(m.half(), T, G), nib], -1).view(-1), K, N)
+    # Q8_0: d = max |w| / 127, q = round(w / d)
+    found = _recover(w, torch.zeros(w.shape[:2]), (w.abs().amax(-1) / 127).half(), -128, 127)
+    if found is not None:
+        d, q = found
+        qq = q.to(torch.int8).view(T, TILE, G, GROUP).permute(0, 2, 3, 1).reshape(T, G, GROUP * TILE)
+        return QuantWeight(Q8_0, torch.cat([_per_tile(d, T, G), qq.view(torch.uint8)], -1).view(-1), K, N)
+    return None
 
 
-def q4_linear(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
+def _per_tile(v: torch.Tensor, T: int, G: int) -> torch.Tensor:
+    """float16 ``[out, groups]`` -> ``[tiles, groups, 32 bytes]`` (16 outputs' values a group)."""
+    return v.view(T, TILE, G).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+
+def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """``x @ W`` for ``x`` float32 ``[rows, in]`` on CPU (only where ``kernel()`` is not ``None``)."""
     lib = _lib or kernel()
     x = x.contiguous()
     rows = x.shape[0]
     y = torch.empty(rows, w.out_features, dtype=torch.float32)
-    lib.q4_gemm(x.data_ptr(), rows, w.in_features, w.packed.data_ptr(), w.out_features, y.data_ptr(),
+    lib.quant_gemm(w.fmt, x.data_ptr(), rows, w.in_features, w.packed.data_ptr(), w.out_features, y.data_ptr(),
                  torch.get_num_threads())
     return y
