@@ -16,9 +16,10 @@ layers) and rounds differently, so single-row products keep the plain weight: a 
 holds both, about twice the weight memory (``PDSERVE_PACKED_WEIGHTS=0`` turns packing off).
 
 Weights whose values are GGUF's quantized groups (the default model's projections are ``Q4_1``,
-its output head ``Q8_0``) also keep that form (``engine/quantized.py``), and products of up to
-``quantized.MAX_ROWS`` rows (decode steps) use it: they read 0.625 (Q4_1) or 1.06 (Q8_0) bytes a
-weight instead of 4. Larger products (prefill) stay on MKL.
+its output head ``Q8_0``) keep that form instead of the plain copy (``engine/quantized.py``), and
+products of up to ``quantized.MAX_ROWS`` rows (decode steps, single rows included) use it: they
+read 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 4. Larger products (prefill) stay on
+MKL.
 
 Elsewhere (CUDA, bfloat16, torch builds without MKL) weights stay plain tensors and ``linear`` is
 ``x @ w``.
