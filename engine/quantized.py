@@ -126,14 +126,29 @@ def _f16_step(d: torch.Tensor, step: int) -> torch.Tensor:
     return (d.view(torch.int16) + step).view(torch.float16)
 
 
+_CHUNK = 2048  # outputs recovered at a time: bounds the temporaries (an output head has 49,152)
+
+
 def _recover(w: torch.Tensor, m: torch.Tensor, base: torch.Tensor, lo: int, hi: int):
+    """``_recover_chunk`` over chunks of ``_CHUNK`` outputs."""
+    ds, qs = [], []
+    for at in range(0, w.shape[0], _CHUNK):
+        found = _recover_chunk(w[at:at + _CHUNK], m[at:at + _CHUNK], base[at:at + _CHUNK], lo, hi)
+        if found is None:
+            return None
+        ds.append(found[0])
+        qs.append(found[1])
+    return torch.cat(ds), torch.cat(qs)
+
+
+def _recover_chunk(w: torch.Tensor, m: torch.Tensor, base: torch.Tensor, lo: int, hi: int):
     """Per group of ``w`` (``[out, groups, 32]``): the float16 ``d`` (``base`` or a neighbour: the
     rounding of the quantizer's ``d`` to float16) and the integers ``q`` in ``lo..hi`` with
     ``d * q + m == w`` exactly, or ``None`` if some group has none."""
     zero = base == 0
     d = base.clone()
     ok = torch.zeros(base.shape, dtype=torch.bool)
-    q = torch.zeros(w.shape, dtype=torch.int16)
+    q = torch.zeros(w.shape, dtype=torch.int8 if lo < 0 else torch.uint8)
     for step in (0, 1, -1, 2, -2):
         cand = _f16_step(base, step) if step else base
         cand = torch.where(zero, torch.ones_like(cand), cand)  # all weights equal: q = 0
@@ -146,7 +161,7 @@ def _recover(w: torch.Tensor, m: torch.Tensor, base: torch.Tensor, lo: int, hi: 
         good = ((qi * cf + mt) == w[todo]).all(-1)
         sel = tuple(i[good] for i in todo.nonzero(as_tuple=True))
         d[sel] = cand[sel]
-        q[sel] = qi[good].to(torch.int16)
+        q[sel] = qi[good].to(q.dtype)
         ok[sel] = True
         if bool(ok.all()):
             break
@@ -171,14 +186,14 @@ def pack(w_in_out: torch.Tensor) -> QuantWeight | None:
             d, q = found
             # per tile and group: d[16], m[16], then per input pair (2p, 2p + 1) a byte per output
             # with the even input in the low nibble
-            qq = q.to(torch.uint8).view(T, TILE, G, GROUP // 2, 2)
+            qq = q.view(T, TILE, G, GROUP // 2, 2)
             nib = (qq[..., 0] | (qq[..., 1] << 4)).permute(0, 2, 3, 1).reshape(T, G, 256)
             return QuantWeight(Q4_1, torch.cat([_per_tile(d, T, G), _per_tile(m.half(), T, G), nib], -1).view(-1), K, N)
     # Q8_0: d = max |w| / 127, q = round(w / d)
     found = _recover(w, torch.zeros(w.shape[:2]), (w.abs().amax(-1) / 127).half(), -128, 127)
     if found is not None:
         d, q = found
-        qq = q.to(torch.int8).view(T, TILE, G, GROUP).permute(0, 2, 3, 1).reshape(T, G, GROUP * TILE)
+        qq = q.view(T, TILE, G, GROUP).permute(0, 2, 3, 1).reshape(T, G, GROUP * TILE)
         return QuantWeight(Q8_0, torch.cat([_per_tile(d, T, G), qq.view(torch.uint8)], -1).view(-1), K, N)
     return None
 
