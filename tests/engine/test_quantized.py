@@ -127,3 +127,19 @@ def test_a_quantized_weight_drops_its_plain_copy_and_counts_as_its_own_bytes():
     layer = SimpleNamespace(__slots__=("a", "b"), a=pw, b=pw)  # one weight under two names: once
     model = SimpleNamespace(layers=[layer], head=plain)
     assert weight_bytes_per_step(SimpleNamespace(model=model)) == pw.step_bytes + plain.step_bytes
+
+
+def test_no_compiler_means_the_float32_path(monkeypatch, tmp_path):
+    """Without a C compiler the kernel is unavailable, with the reason, and weights stay float32."""
+    monkeypatch.setattr(qz, "_lib", None)
+    monkeypatch.setattr(qz, "_lib_error", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    assert qz.kernel() is None
+    assert "no-such-cc" in qz.unavailable_reason()
+    if lin.packing_available(torch.device("cpu"), torch.float32):
+        w = quant_weight(qz.Q4_1, 64, 32)
+        pw = lin.prepare(w, pack=True)
+        assert pw.quant is None and pw.t is not None
+        x = torch.randn(3, 64)
+        assert torch.equal(lin.linear(x, pw), x @ w)
