@@ -78,6 +78,80 @@ tile_rows(const int fmt, const uint8_t *wt, int groups, const float *xt, const i
     }
 }
 
+/* A group of one tile rebuilt once into wb[32] (32 inputs x 16 outputs, in L1), for several row
+ * blocks to use: rows past 26 share the rebuilding instead of repeating it per block. */
+TARGET __attribute__((always_inline)) static inline void
+dequant_group(const int fmt, const uint8_t *wg, __m512 *wb) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg));
+    const __m512 m = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)))
+                                 : _mm512_setzero_ps();
+    const uint8_t *q = wg + (fmt == Q4_1 ? 64 : 32);
+    const __m512i low = _mm512_set1_epi32(0xF);
+    for (int p = 0; p < GROUP / 2; p++) {
+        __m512i q0, q1;
+        if (fmt == Q4_1) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + p * TILE)));
+            q0 = _mm512_and_si512(b, low);
+            q1 = _mm512_srli_epi32(b, 4);
+        } else {
+            q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 2 * p * TILE)));
+            q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (2 * p + 1) * TILE)));
+        }
+        wb[2 * p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
+        wb[2 * p + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
+    }
+}
+
+/* R rows times one rebuilt group, added to their totals in y (same order of additions as
+ * tile_rows: the group's 32 products in k order, then the group's sum into the total). */
+TARGET __attribute__((always_inline)) static inline void
+block_group(const __m512 *wb, const float *xk, const int R, int ldx, float *y, int ldy) {
+    __m512 acc[MAX_R];
+#pragma GCC unroll 26
+    for (int r = 0; r < MAX_R; r++)
+        if (r < R) acc[r] = _mm512_setzero_ps();
+    for (int k = 0; k < GROUP; k++, xk += ldx) {
+        const __m512 w = wb[k];
+#pragma GCC unroll 26
+        for (int r = 0; r < MAX_R; r++)
+            if (r < R) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), w, acc[r]);
+    }
+#pragma GCC unroll 26
+    for (int r = 0; r < MAX_R; r++)
+        if (r < R) {
+            float *yr = y + (size_t)r * ldy;
+            _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), acc[r]));
+        }
+}
+
+#define BCASE(R) case R: block_group(wb, xk, R, ldx, y, ldy); break;
+
+TARGET static void
+block(const __m512 *wb, const float *xk, int R, int ldx, float *y, int ldy) {
+    switch (R) {
+        BCASE(1) BCASE(2) BCASE(3) BCASE(4) BCASE(5) BCASE(6) BCASE(7) BCASE(8) BCASE(9) BCASE(10)
+        BCASE(11) BCASE(12) BCASE(13) BCASE(14) BCASE(15) BCASE(16) BCASE(17) BCASE(18) BCASE(19)
+        BCASE(20) BCASE(21) BCASE(22) BCASE(23) BCASE(24) BCASE(25) BCASE(26)
+    }
+}
+
+/* All M rows (more than 26) times one tile: per group, rebuild once, then each block of rows. */
+TARGET static void
+tile_blocks(int fmt, const uint8_t *wt, int groups, const float *xt, int M, int blocks, float *y, int ldy) {
+    __m512 wb[GROUP];
+    for (int r = 0; r < M; r++)
+        for (int c = 0; c < TILE; c++) y[(size_t)r * ldy + c] = 0.0f;
+    for (int g = 0; g < groups; g++, wt += group_bytes(fmt)) {
+        if (fmt == Q4_1) dequant_group(Q4_1, wt, wb);
+        else dequant_group(Q8_0, wt, wb);
+        const float *xk = xt + (size_t)g * GROUP * M;
+        for (int b = 0; b < blocks; b++) {
+            const int r0 = (int)((long)M * b / blocks), r1 = (int)((long)M * (b + 1) / blocks);
+            block(wb, xk + r0, r1 - r0, M, y + (size_t)r0 * ldy, ldy);
+        }
+    }
+}
+
 /* one specialised copy per format and row count, so that the accumulators live in registers */
 #define CASE(R)                                                   \
     case R:                                                       \
@@ -113,11 +187,14 @@ quant_gemm(int fmt, const float *x, int M, int K, const uint8_t *w, int N, float
     for (int k = 0; k < K; k++)
         for (int r = 0; r < M; r++) xt[(size_t)k * M + r] = x[(size_t)r * K + k];
     float *xtp = xt;
-    /* rows split evenly over the blocks: 30 rows go as 15 + 15, not 26 + 4 */
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (threads > 1)
-    for (int j = 0; j < tiles; j++)
-        for (int b = 0; b < blocks; b++) {
-            const int r0 = (int)((long)M * b / blocks), r1 = (int)((long)M * (b + 1) / blocks);
-            tile(fmt, w + (size_t)j * tile_bytes, groups, xtp + r0, r1 - r0, M, y + (size_t)r0 * N + (size_t)j * TILE, N);
-        }
+    if (blocks == 1) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int j = 0; j < tiles; j++)
+            tile(fmt, w + (size_t)j * tile_bytes, groups, xtp, M, M, y + (size_t)j * TILE, N);
+    } else {
+        /* rows split evenly over the blocks: 30 rows go as 15 + 15, not 26 + 4 */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int j = 0; j < tiles; j++)
+            tile_blocks(fmt, w + (size_t)j * tile_bytes, groups, xtp, M, blocks, y + (size_t)j * TILE, N);
+    }
 }

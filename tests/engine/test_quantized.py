@@ -63,11 +63,13 @@ def test_kernel_rebuilds_every_weight_exactly(name):
     eye = torch.eye(96)
     for start in range(0, 96, 24):  # unit rows pick out rows of the weight
         assert torch.equal(qz.quant_linear(eye[start:start + 24], packed), w[start:start + 24])
+    # more rows than the registers hold: each group is rebuilt once for all row blocks
+    assert torch.equal(qz.quant_linear(eye[:53], packed), w[:53])
 
 
 @needs_kernel
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 7, 26, 27, 40, 53])
+@pytest.mark.parametrize("rows", [1, 2, 7, 26, 27, 40, 53, 80])
 def test_kernel_as_accurate_as_float32_gemm(name, rows):
     k, n = 1536, 96
     w = quant_weight(FORMATS[name], k, n, seed=rows)
@@ -78,6 +80,8 @@ def test_kernel_as_accurate_as_float32_gemm(name, rows):
     mkl_err = (x @ w - exact).abs().max().item()
     assert got.shape == (rows, n)
     assert (got.double() - exact).abs().max().item() <= 2 * mkl_err + 1e-6
+    # each row is summed in the same order whatever else is in the batch: batch-invariant
+    assert torch.equal(got[-1:], qz.quant_linear(x[-1:], packed))
 
 
 @needs_kernel
