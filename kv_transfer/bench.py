@@ -194,6 +194,42 @@ class TransferReceiver:
         return {"tcp": "%s:%d" % self._server.getsockname()[:2], BARE_GRPC: self._bare[1],
                 **{name: r.address for name, r in self.receivers.items()}}
 
+    def bare_gloo_open(self) -> str:
+        """Host a rendezvous store for a plain two-rank gloo group (this actor rank 0) and start
+        joining it; returns the store's address for the sender."""
+        import torch.distributed as dist
+
+        host = self._server.getsockname()[0]
+        self._gloo_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                         timeout=datetime.timedelta(seconds=60))
+        self._gloo: dict = {}
+
+        def join() -> None:
+            self._gloo["pg"] = dist.ProcessGroupGloo(self._gloo_store, 0, 2, datetime.timedelta(seconds=60))
+
+        self._gloo_join = threading.Thread(target=join, daemon=True)
+        self._gloo_join.start()
+        return f"{host}:{self._gloo_store.port}"
+
+    def bare_gloo_arm(self, sizes: list[int]) -> None:
+        """Post one receive per size (tags 0, 1, ...) into a preallocated buffer, and a thread that
+        answers with a one-byte send (tag ``len(sizes)``) once all of them completed."""
+        self._gloo_join.join(60)
+        pg = self._gloo["pg"]
+        if self._gloo.get("buf") is None or self._gloo["buf"].numel() < sum(sizes):
+            self._gloo["buf"] = torch.empty(sum(sizes), dtype=torch.uint8)
+        buf, at, works = self._gloo["buf"], 0, []
+        for tag, n in enumerate(sizes):
+            works.append(pg.recv([buf[at:at + n]], 1, tag))
+            at += n
+
+        def ack() -> None:
+            for w in works:
+                w.wait(datetime.timedelta(seconds=60))
+            pg.send([torch.ones(1, dtype=torch.uint8)], 1, len(sizes)).wait(datetime.timedelta(seconds=60))
+
+        threading.Thread(target=ack, daemon=True).start()
+
     def reserve(self, request_id: str, num_blocks: int) -> list[int]:
         return self.sink.reserve(request_id, num_blocks)
 
@@ -226,6 +262,9 @@ class TransferReceiver:
 
 
 BARE_GRPC = "bare-grpcio"  # the library's ceiling row (not a transport: nothing is checked or landed)
+BARE_GLOO = "bare-gloo"  # the same for the collective transport on CPU: torch's gloo alone
+# The ceiling row measured beside each transport (only when that transport is measured).
+CEILINGS = {"grpc": BARE_GRPC, "collective": BARE_GLOO}
 _BARE_METHOD = "/pdserve.bench.Bare/Push"
 
 
@@ -361,6 +400,40 @@ class TransferSender:
             seconds, warmup = _timed(once, rounds, warmup_s)
         return {"bytes": total, "pieces": len(messages), "seconds": seconds, "warmup_pushes": warmup}
 
+    def bare_gloo(self, store: str, receiver, num_blocks: int, frame_bytes: int, rounds: int, warmup_s: float) -> dict:
+        """Time ``rounds`` pushes of the same bytes over a plain two-rank gloo group, in as many
+        sends as the collective transport makes (the keys and the values of each piece), straight
+        from the data, into receives posted beforehand (untimed, by a Ray call), until the
+        receiver's one-byte acknowledgement arrives: no header, checksum or landing."""
+        import ray
+        import torch.distributed as dist
+
+        if getattr(self, "_gloo_pg", None) is None:  # one group for every size: the receiver joins it once
+            host, port = store.rsplit(":", 1)
+            tcp_store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+            self._gloo_pg = dist.ProcessGroupGloo(tcp_store, 1, 2, datetime.timedelta(seconds=60))
+        pg = self._gloo_pg
+        data = self._data(num_blocks)
+        halves = [data[k, layers.start:layers.stop]
+                  for layers in _pieces(data.shape[1], data[:, :1].numel() * data.element_size(), frame_bytes)
+                  for k in (0, 1)]
+        sizes = [h.numel() * h.element_size() for h in halves]
+        ack = torch.zeros(1, dtype=torch.uint8)
+        timeout = datetime.timedelta(seconds=60)
+
+        def once() -> float:
+            ray.get(receiver.bare_gloo_arm.remote(sizes))
+            start = time.perf_counter()
+            works = [pg.send([h.reshape(-1).view(torch.uint8)], 0, tag) for tag, h in enumerate(halves)]
+            done = pg.recv([ack], 0, len(halves))
+            for w in works:
+                w.wait(timeout)
+            done.wait(timeout)
+            return time.perf_counter() - start
+
+        seconds, warmup = _timed(once, rounds, warmup_s)
+        return {"bytes": sum(sizes), "pieces": len(halves) // 2, "seconds": seconds, "warmup_pushes": warmup}
+
     def close(self) -> None:
         for s in self.senders.values():
             s.close()
@@ -375,16 +448,21 @@ def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[
         geo, 2 * max_blocks + 4, transports, max_bytes)
     sender = ray.remote(TransferSender).options(num_cpus=0).remote(geo)
     rows = []
+    gloo_store = None  # the bare-gloo group's store, set up at its first row
     try:
         addresses = ray.get(receiver.addresses.remote())
         for n in prompt_tokens:
             nb = -(-n // bs)
             tcp = ray.get(sender.tcp.remote(addresses["tcp"], nb, rounds, warmup_s))
             tcp_rate = tcp["bytes"] / statistics.median(tcp["seconds"]) / 1e6
-            # The bare-grpcio row is the gRPC transport's ceiling: measured only beside that transport.
-            for name in transports + ([BARE_GRPC] if "grpc" in transports else []):
+            # A ceiling row (the transport's library alone) is measured only beside its transport.
+            for name in transports + [CEILINGS[t] for t in transports if t in CEILINGS]:
                 if name == BARE_GRPC:
                     r = ray.get(sender.bare_grpc.remote(addresses[name], nb, frame_bytes, rounds, warmup_s))
+                elif name == BARE_GLOO:
+                    if gloo_store is None:
+                        gloo_store = ray.get(receiver.bare_gloo_open.remote())
+                    r = ray.get(sender.bare_gloo.remote(gloo_store, receiver, nb, frame_bytes, rounds, warmup_s))
                 else:
                     r = ray.get(sender.push.remote(name, addresses[name], receiver, nb, rounds, frame_bytes, warmup_s))
                 assert r["bytes"] == tcp["bytes"]
@@ -573,6 +651,10 @@ def format_table(r: dict) -> str:
     if any(row["transport"] == BARE_GRPC for row in r["transfer"]):
         lines.append(f"({BARE_GRPC}: grpcio alone, the same bytes in as many messages, built beforehand and dropped on "
                      "arrival: no checksum, no landing; the ceiling of the grpc transport)")
+    if any(row["transport"] == BARE_GLOO for row in r["transfer"]):
+        lines.append(f"({BARE_GLOO}: torch's gloo alone, the same bytes in as many sends, into receives posted "
+                     "beforehand, until a one-byte acknowledgement: no header, checksum or landing; the ceiling "
+                     "of the collective transport on CPU)")
     if r["ttft"]:
         lines += ["", f"TTFT, one request at a time (the prefill worker pushes KV by {r['kv_push']})",
                   f"{'':<30}{'prompt':>8}{'colocated s':>13}{'disagg. s':>11}"
