@@ -9,12 +9,15 @@ Two measurements, on this machine, between Ray actors (so between processes, as 
    float32), for a 512- and a 2048-token prompt, ``--rounds`` times each after at least
    ``warmup_s`` (1 s) of untimed pushes; reported: the median MB/s (1 MB = 10^6 bytes) of each transport
    in ``TRANSPORTS``, against a plain TCP socket copy (``sendall`` / ``recv_into``) of the same
-   bytes between the same two actors (warmed up alike), and their ratio. One more row per size,
-   ``bare-grpcio``, is the ceiling of the library under the gRPC transport: a grpcio client stream
-   of the same bytes in as many messages as the transport's frames, built before the clock starts,
-   with the transport's channel options, into a receiver that drops each message (no header, no
-   checksum, no landing). The gap between the gRPC transport's row and this one is what the
-   transport's own work (building, checking and landing frames) costs.
+   bytes between the same two actors (warmed up alike), and their ratio. Beside each transport,
+   one more row per size is the ceiling of the library under it. ``bare-grpcio``: a grpcio
+   client stream of the same bytes in as many messages as the transport's frames, built before
+   the clock starts, with the transport's channel options, into a receiver that drops each
+   message. ``bare-gloo``: a plain two-rank gloo group sending the same bytes in as many sends as
+   the collective transport (the keys and the values of each piece), into receives posted
+   beforehand, until a one-byte acknowledgement. Neither has a header, a checksum or a landing
+   copy: the gap between a transport's row and its ceiling is what the transport's own work
+   (control messages, checksums, landing into the reserved blocks, threads) costs.
 2. Time to first token under light load, one request at a time, the same prompts both ways:
    colocated (``add_request`` on a colocated worker, until its first delta arrives through
    ``next_outputs``) and disaggregated (``reserve_kv`` on a decode actor, then ``prefill`` on a

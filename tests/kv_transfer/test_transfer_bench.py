@@ -1,5 +1,6 @@
 """`pdserve bench transfer --quick` runs end to end through the CLI (a smoke test of the benchmark,
-not a speed check): every transport (and, beside the gRPC one, the bare grpcio stream) gets a row per prompt size next to the raw TCP copy, and the
+not a speed check): every transport (and, beside each, its library alone: the bare grpcio stream and
+the bare gloo sends) gets a row per prompt size next to the raw TCP copy, and the
 TTFT rows compare colocated and disaggregated on the same prompts. It runs in this process, on the
 session's Ray, to spare a second Ray start (the command starts its own when none is running)."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import json
 
 from pdserve.cli import main
-from pdserve.kv_transfer.bench import BARE_GRPC, TRANSPORTS
+from pdserve.kv_transfer.bench import BARE_GLOO, BARE_GRPC, TRANSPORTS
 
 
 def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, capsys):
@@ -24,8 +25,8 @@ def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, ca
 
     sizes = [32, 64]
     rows = {(row["transport"], row["prompt_tokens"]): row for row in r["transfer"]}
-    # Every transport, and the bare grpcio stream (the gRPC transport's ceiling), per prompt size.
-    assert set(rows) == {(t, n) for t in [*TRANSPORTS, BARE_GRPC] for n in sizes}
+    # Every transport, and each one's ceiling (its library alone), per prompt size.
+    assert set(rows) == {(t, n) for t in [*TRANSPORTS, BARE_GRPC, BARE_GLOO] for n in sizes}
     for (_, n), row in rows.items():
         assert row["bytes"] == -(-n // 16) * 16 * g["bytes_per_token"]
         assert row["pieces"] >= 1 and row["median_s"] > 0
@@ -57,12 +58,17 @@ def test_bench_transfer_is_registered_in_the_cli():
     assert ("transfer", "pdserve.kv_transfer.bench") in [(n, m) for n, m, _ in BENCH_COMMANDS]
 
 
-def test_bare_grpcio_row_only_beside_the_grpc_transport(ray_cluster):
-    """The bare-grpcio row is the gRPC transport's ceiling: a collective-only run has none."""
+def test_each_ceiling_row_only_beside_its_transport(ray_cluster):
+    """bare-grpcio is the gRPC transport's ceiling and bare-gloo the collective one's: a run of one
+    transport has its own ceiling row and not the other's, and every row moved the same bytes."""
     import ray
 
     from pdserve.kv_transfer.bench import measure_transfer
 
     geo = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16, "dtype": "float32"}
-    rows = measure_transfer(ray, geo, [32], ["collective"], rounds=1, frame_bytes=1 << 20, warmup_s=0.0)
-    assert [(r["transport"], r["prompt_tokens"]) for r in rows] == [("collective", 32)]
+    for transport, ceiling in (("collective", BARE_GLOO), ("grpc", BARE_GRPC)):
+        rows = measure_transfer(ray, geo, [32, 64], [transport], rounds=1, frame_bytes=1 << 20, warmup_s=0.0)
+        assert [(r["transport"], r["prompt_tokens"]) for r in rows] == [
+            (transport, 32), (ceiling, 32), (transport, 64), (ceiling, 64)]
+        for n in (32, 64):
+            assert len({r["bytes"] for r in rows if r["prompt_tokens"] == n}) == 1
