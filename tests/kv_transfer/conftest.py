@@ -53,6 +53,7 @@ class TransportPair(NamedTuple):
     make_receiver: Callable[[KVSink], KVReceiver]
     name: str
     module: object
+    spec: TransportSpec
 
 
 @pytest.fixture(params=list(TRANSPORTS))
@@ -67,7 +68,7 @@ def transport(request):
         return r
 
     sender = getattr(module, spec.sender)(**spec.sender_kwargs)
-    yield TransportPair(sender, make_receiver, request.param, module)
+    yield TransportPair(sender, make_receiver, request.param, module, spec)
     sender.close()
     for r in receivers:
         r.stop()
