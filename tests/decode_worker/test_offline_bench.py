@@ -31,7 +31,8 @@ def test_bench_offline_quick_reports_every_figure(ray_cluster, actors, tiny, one
     from pdserve.decode_worker.scheduler import SchedulerConfig
     assert o["max_num_batched_tokens"] == OFFLINE_MAX_NUM_BATCHED_TOKENS > SchedulerConfig().max_num_batched_tokens
     b = r["compute_bound"]
-    assert b["matmul_gflops_per_s"] > 0
+    assert b["matmul_gflops_per_s"] == max(b["matmul_gflops_per_s_by_library"].values()) > 0
+    assert "torch.matmul" in b["matmul_gflops_per_s_by_library"] and len(b["matmul_gflops_per_s_runs"]) == 2
     assert b["decode_flops_per_token"] > b["prefill_flops_per_token"] > 0
     # HF runs every row of a batch to the batch's longest output; only each request's own count
     assert r["hf"]["generated_tokens"] >= w["output_tokens"]
