@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import paged_decode
+from pdserve.engine import paged_decode, prefill_attention
 
 
 @dataclass
@@ -25,6 +25,7 @@ class PrefillChunk:
     end: int
     context_slots: torch.Tensor | None  # all slots 0..pos_end-1 when earlier KV exists, else None
     mask: torch.Tensor | None  # [q, ctx] bool, True where attention is allowed; None: plain causal
+    windowed: bool = False  # the mask is also a sliding window (not plain causal)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class AttentionMetadata:
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
             slots = torch.tensor(ctx, **long) if first_pos > 0 else None
-            prefills.append(PrefillChunk(start, end, slots, mask))
+            prefills.append(PrefillChunk(start, end, slots, mask, sliding_window is not None))
         return AttentionMetadata(torch.tensor(slot_mapping, **long), num_decode, decode_slots, decode_mask, prefills,
                                  tables, ctx_start, ctx_end, block_size)
 
@@ -123,13 +124,18 @@ def paged_attention(
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         parts.append(od.squeeze(2))
     for chunk in meta.prefills:
-        qp = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        qc = q[chunk.start : chunk.end]  # [q, H, D]
         if chunk.context_slots is None:
             kp = k[chunk.start : chunk.end]
             vp = v[chunk.start : chunk.end]
         else:
             kp = k_cache[chunk.context_slots]
             vp = v_cache[chunk.context_slots]
+        if not chunk.windowed and prefill_attention.supports(qc, kp):
+            # causal over the chunk's own keys after its sequence's earlier ones: the CPU kernel
+            parts.append(prefill_attention.causal_attention(qc, kp, vp, scale))
+            continue
+        qp = qc.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(

@@ -25,15 +25,13 @@ the pdserve cache (``$PDSERVE_CACHE``, default ``~/.cache/pdserve``). Without ei
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
+
+from pdserve.engine import native
 
 logger = logging.getLogger(__name__)
 
@@ -42,37 +40,16 @@ TILE = 16  # outputs per packed column tile
 Q4_1, Q8_0 = 0, 1  # the formats, as the kernel numbers them
 MAX_ROWS = 48  # above this many rows MKL's float32 GEMM is as fast or faster (compute, not memory, bound)
 
-_SOURCE = Path(__file__).with_name("csrc") / "quant_gemm.c"
+_SOURCE_NAME = "quant_gemm.c"
 _DISABLED = os.environ.get("PDSERVE_QUANT_KERNEL", "1") == "0"
 _lib = None
 _lib_error: str | None = None
 _lib_lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
-
-
 def _build() -> ctypes.CDLL:
-    """Compile the kernel once per source version (atomic rename: actors may race) and load it."""
-    src = _SOURCE.read_bytes()
-    flags = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-    tag = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"quant_gemm-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            subprocess.run([os.environ.get("CC", "cc"), *flags, "-o", tmp, str(_SOURCE)], check=True,
-                           capture_output=True, text=True, timeout=120)
-            os.replace(tmp, out)
-        except subprocess.CalledProcessError as exc:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed: {exc.stderr.strip()[-500:]}") from None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    """Compile the kernel once per source version (``engine/native.py``) and load it."""
+    lib = native.load(_SOURCE_NAME)
     lib.quant_supported.restype = ctypes.c_int
     lib.quant_gemm.restype = None
     lib.quant_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
