@@ -79,9 +79,28 @@ class ModelRunner:
         self.paged_decode = paged_decode.available(self.device, self.dtype)
         if self.paged_decode:
             paged_decode.set_threads(torch.get_num_threads())
-        logger.info("model %s loaded in %.1f s; %d KV blocks of %d tokens (%.0f MiB)",
+        logger.info("model %s loaded in %.1f s; %d KV blocks of %d tokens (%.0f MiB); %s",
                     self.model_dir, time.time() - start, num_blocks, config.block_size,
-                    num_blocks * per_block / 2**20)
+                    num_blocks * per_block / 2**20, self.kernels())
+
+    def kernels(self) -> str:
+        """Which of the engine's CPU code paths this worker runs (for its start-up log line)."""
+        from pdserve.engine import linear, prefill_attention, quantized
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return f"torch ops on {self.device.type} ({str(self.dtype).removeprefix('torch.')})"
+        m = self.model
+        found = list(vars(m).values()) + [getattr(L, slot) for L in m.layers for slot in L.__slots__]
+        weights = list({id(w): w for w in found if isinstance(w, linear.PackedWeight)}.values())
+        gemm = weights[0].backend if weights else "torch.matmul"
+        quant = sum(w.quant is not None for w in weights)
+        parts = [f"GEMM {gemm}",
+                 f"quantized decode weights {quant}/{len(weights)}" if quant else
+                 f"no quantized weights ({quantized.unavailable_reason() or 'not GGUF groups'})",
+                 "prefill attention kernel" if prefill_attention.kernel() is not None else
+                 f"prefill attention SDPA ({prefill_attention.unavailable_reason()})",
+                 "paged decode kernel" if self.paged_decode else "decode attention SDPA"]
+        return "CPU paths: " + ", ".join(parts)
 
     @property
     def vocab_size(self) -> int:

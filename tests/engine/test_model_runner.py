@@ -134,3 +134,18 @@ def test_bfloat16_runs_on_cpu_with_a_bfloat16_cache(tiny_model, random_prompts):
 def test_unknown_dtype_is_rejected(tiny_model):
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
         tiny_model("llama").runner(dtype="float64")
+
+
+def test_runner_names_the_cpu_paths_it_runs(tiny_model, monkeypatch):
+    """The start-up log line says which GEMM library, weight form and attention paths a worker uses."""
+    from pdserve.engine import linear, prefill_attention
+
+    runner = tiny_model("llama").runner(block_size=4)
+    text = runner.kernels()
+    gemm = linear.gemm_backend() if linear.packing_available(torch.device("cpu"), torch.float32) else "torch.matmul"
+    assert text.startswith(f"CPU paths: GEMM {gemm}, no quantized weights")  # random float32 weights
+    assert ("prefill attention kernel" in text) == (prefill_attention.kernel() is not None)
+    assert ("paged decode kernel" in text) == runner.paged_decode
+    monkeypatch.setattr(prefill_attention, "_lib", None)
+    monkeypatch.setattr(prefill_attention, "_lib_error", "no compiler")
+    assert "prefill attention SDPA (no compiler)" in runner.kernels()
