@@ -10,7 +10,7 @@
  *
  * Each weight is rebuilt in float32 with one fused multiply-add, which gives exactly the float32
  * value d * q + m (d * q is exact: 11 by at most 8 significant bits), then multiplied into up to
- * 26 rows of x held in registers. Each group's 32 products are summed in registers, then added to
+ * 16 rows of x held in registers (more rows: see BUF_MIN). Each group's 32 products are summed in registers, then added to
  * the row's total: float32 throughout, rounding like a blocked GEMM. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -19,6 +19,13 @@
 #define TILE 16
 #define GROUP 32
 #define MAX_R 26
+/* From BUF_MIN rows on, each group is rebuilt once into a buffer and multiplied into blocks of at
+ * most BLOCK_R rows; below, the rows stay in registers while each weight is rebuilt. Measured on
+ * the 2-core AMD EPYC (Zen 5) of BENCHMARKS.md, session 11, over the default model's 30 gate/up
+ * weights: 17-23 rows 324-334 -> 359-385 GFLOP/s, 24-64 rows 305-372 -> 370-387, and no gain at
+ * 16 rows or fewer (blocks of 8 rows from the buffer were slower than registers). */
+#define BUF_MIN 17
+#define BLOCK_R 16
 #define Q4_1 0
 #define Q8_0 1
 
@@ -79,7 +86,7 @@ tile_rows(const int fmt, const uint8_t *wt, int groups, const float *xt, const i
 }
 
 /* A group of one tile rebuilt once into wb[32] (32 inputs x 16 outputs, in L1), for several row
- * blocks to use: rows past 26 share the rebuilding instead of repeating it per block. */
+ * blocks to use: from BUF_MIN rows on, they share the rebuilding instead of repeating it per block. */
 TARGET __attribute__((always_inline)) static inline void
 dequant_group(const int fmt, const uint8_t *wg, __m512 *wb) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg));
@@ -135,7 +142,7 @@ block(const __m512 *wb, const float *xk, int R, int ldx, float *y, int ldy) {
     }
 }
 
-/* All M rows (more than 26) times one tile: per group, rebuild once, then each block of rows. */
+/* All M rows (BUF_MIN or more) times one tile: per group, rebuild once, then each block of rows. */
 TARGET static void
 tile_blocks(int fmt, const uint8_t *wt, int groups, const float *xt, int M, int blocks, float *y, int ldy) {
     __m512 wb[GROUP];
@@ -183,16 +190,16 @@ quant_gemm(int fmt, const float *x, int M, int K, const uint8_t *w, int N, float
     }
     const int groups = K / GROUP, tiles = N / TILE;
     const size_t tile_bytes = (size_t)groups * group_bytes(fmt);
-    const int blocks = (M + MAX_R - 1) / MAX_R;
+    const int blocks = M >= BUF_MIN ? (M + BLOCK_R - 1) / BLOCK_R : 1;
     for (int k = 0; k < K; k++)
         for (int r = 0; r < M; r++) xt[(size_t)k * M + r] = x[(size_t)r * K + k];
     float *xtp = xt;
-    if (blocks == 1) {
+    if (M < BUF_MIN) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int j = 0; j < tiles; j++)
             tile(fmt, w + (size_t)j * tile_bytes, groups, xtp, M, M, y + (size_t)j * TILE, N);
     } else {
-        /* rows split evenly over the blocks: 30 rows go as 15 + 15, not 26 + 4 */
+        /* rows split evenly over the blocks: 40 rows go as 14 + 13 + 13, not 16 + 16 + 8 */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int j = 0; j < tiles; j++)
             tile_blocks(fmt, w + (size_t)j * tile_bytes, groups, xtp, M, blocks, y + (size_t)j * TILE, N);
