@@ -21,56 +21,34 @@ the parity tests check greedy tokens against Hugging Face.
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
-import os
-import threading
 
 import torch
 
 from pdserve.engine import native
 
-logger = logging.getLogger(__name__)
-
-_DISABLED = os.environ.get("PDSERVE_PREFILL_KERNEL", "1") == "0"
 MAX_HEAD_DIM = 256
-_lib = None
-_lib_error: str | None = None
-_lib_lock = threading.Lock()
 
 
-def _build() -> ctypes.CDLL:
-    lib = native.load("prefill_attention.c")
+def _setup(lib: ctypes.CDLL) -> None:
     lib.attn_supported.restype = ctypes.c_int
     lib.attn_prefill.restype = ctypes.c_int
     lib.attn_prefill.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_long] * 3 + [
         ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int]
     if not lib.attn_supported():
         raise RuntimeError("this CPU has no AVX-512")
-    return lib
+
+
+_kernel = native.Kernel("prefill_attention.c", _setup, "PDSERVE_PREFILL_KERNEL", "SDPA")
 
 
 def kernel():
     """The loaded kernel, or ``None`` (the reason is in ``unavailable_reason()``)."""
-    global _lib, _lib_error
-    if _lib is not None or _lib_error is not None:
-        return _lib
-    with _lib_lock:
-        if _lib is None and _lib_error is None:
-            if _DISABLED:
-                _lib_error = "PDSERVE_PREFILL_KERNEL=0"
-            else:
-                try:
-                    _lib = _build()
-                except Exception as exc:  # no compiler, no AVX-512, an unwritable cache: SDPA
-                    _lib_error = str(exc) or type(exc).__name__
-                    logger.info("prefill attention kernel unavailable (%s); using SDPA", _lib_error)
-    return _lib
+    return _kernel.get()
 
 
 def unavailable_reason() -> str | None:
-    kernel()
-    return _lib_error
+    return _kernel.unavailable_reason()
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -100,7 +78,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = torch.empty(Lq, H, D, dtype=torch.float32)
     if Lq == 0:
         return out
-    rc = (_lib or kernel()).attn_prefill(
+    rc = (_kernel.lib or kernel()).attn_prefill(
         Lq, Lk, H, KVH, D, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         out.data_ptr(), out.stride(0), scale, torch.get_num_threads())
     if rc != 0:

@@ -25,61 +25,36 @@ the pdserve cache (``$PDSERVE_CACHE``, default ``~/.cache/pdserve``). Without ei
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import threading
 
 import torch
 
 from pdserve.engine import native
 
-logger = logging.getLogger(__name__)
-
 GROUP = 32  # inputs per (d, m) pair
 TILE = 16  # outputs per packed column tile
 Q4_1, Q8_0 = 0, 1  # the formats, as the kernel numbers them
-MAX_ROWS = 48  # above this many rows MKL's float32 GEMM is as fast or faster (compute, not memory, bound)
-
-_SOURCE_NAME = "quant_gemm.c"
-_DISABLED = os.environ.get("PDSERVE_QUANT_KERNEL", "1") == "0"
-_lib = None
-_lib_error: str | None = None
-_lib_lock = threading.Lock()
+MAX_ROWS = 48  # above this many rows the float32 GEMM is as fast or faster (compute, not memory, bound)
 
 
-def _build() -> ctypes.CDLL:
-    """Compile the kernel once per source version (``engine/native.py``) and load it."""
-    lib = native.load(_SOURCE_NAME)
+def _setup(lib: ctypes.CDLL) -> None:
     lib.quant_supported.restype = ctypes.c_int
     lib.quant_gemm.restype = None
     lib.quant_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     if not lib.quant_supported():
         raise RuntimeError("this CPU has no AVX-512")
-    return lib
+
+
+_kernel = native.Kernel("quant_gemm.c", _setup, "PDSERVE_QUANT_KERNEL", "float32 weights")
 
 
 def kernel():
     """The loaded kernel library, or ``None`` (the reason is in ``unavailable_reason()``)."""
-    global _lib, _lib_error
-    if _lib is not None or _lib_error is not None:
-        return _lib
-    with _lib_lock:
-        if _lib is None and _lib_error is None:
-            if _DISABLED:
-                _lib_error = "PDSERVE_QUANT_KERNEL=0"
-            else:
-                try:
-                    _lib = _build()
-                except Exception as exc:  # no compiler, no AVX-512, an unwritable cache: float32 path
-                    _lib_error = str(exc) or type(exc).__name__
-                    logger.info("quantized-weight kernel unavailable (%s); using float32 weights", _lib_error)
-    return _lib
+    return _kernel.get()
 
 
 def unavailable_reason() -> str | None:
-    kernel()
-    return _lib_error
+    return _kernel.unavailable_reason()
 
 
 class QuantWeight:
@@ -182,7 +157,7 @@ def _per_tile(v: torch.Tensor, T: int, G: int) -> torch.Tensor:
 
 def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """``x @ W`` for ``x`` float32 ``[rows, in]`` on CPU (only where ``kernel()`` is not ``None``)."""
-    lib = _lib or kernel()
+    lib = _kernel.lib or kernel()
     x = x.contiguous()
     rows = x.shape[0]
     y = torch.empty(rows, w.out_features, dtype=torch.float32)

@@ -146,6 +146,6 @@ def test_runner_names_the_cpu_paths_it_runs(tiny_model, monkeypatch):
     assert text.startswith(f"CPU paths: GEMM {gemm}, no quantized weights")  # random float32 weights
     assert ("prefill attention kernel" in text) == (prefill_attention.kernel() is not None)
     assert ("paged decode kernel" in text) == runner.paged_decode
-    monkeypatch.setattr(prefill_attention, "_lib", None)
-    monkeypatch.setattr(prefill_attention, "_lib_error", "no compiler")
+    monkeypatch.setattr(prefill_attention._kernel, "lib", None)
+    monkeypatch.setattr(prefill_attention._kernel, "error", "no compiler")
     assert "prefill attention SDPA (no compiler)" in runner.kernels()

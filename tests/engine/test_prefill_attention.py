@@ -140,8 +140,8 @@ def test_sliding_windows_stay_on_sdpa(monkeypatch):
 
 
 def test_no_compiler_means_sdpa(monkeypatch, tmp_path):
-    monkeypatch.setattr(pa, "_lib", None)
-    monkeypatch.setattr(pa, "_lib_error", None)
+    monkeypatch.setattr(pa._kernel, "lib", None)
+    monkeypatch.setattr(pa._kernel, "error", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     assert pa.kernel() is None

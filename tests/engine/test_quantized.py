@@ -135,8 +135,8 @@ def test_a_quantized_weight_drops_its_plain_copy_and_counts_as_its_own_bytes():
 
 def test_no_compiler_means_the_float32_path(monkeypatch, tmp_path):
     """Without a C compiler the kernel is unavailable, with the reason, and weights stay float32."""
-    monkeypatch.setattr(qz, "_lib", None)
-    monkeypatch.setattr(qz, "_lib_error", None)
+    monkeypatch.setattr(qz._kernel, "lib", None)
+    monkeypatch.setattr(qz._kernel, "error", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     assert qz.kernel() is None
