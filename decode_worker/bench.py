@@ -101,7 +101,7 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_flops_per_s(n: int, repeats: int = 5) -> dict[str, float]:
+def matmul_rates(n: int, repeats: int = 5) -> dict[str, float]:
     """FLOP/s of an ``n x n @ n x n`` float32 matmul with torch's current threads (median), by each
     library torch can run it with here: ``torch.matmul`` (torch's BLAS: MKL in the PyPI wheels), and
     oneDNN's packed product when torch has it (what the engine multiplies with, ``engine/linear.py``).
@@ -270,7 +270,7 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
     else:  # the whole workload at once: no request ever waits for memory
         num_blocks = sum(-(-(len(p) + n) // block_size) for p, n in work)
 
-    rates = [matmul_flops_per_s(shape["matmul_size"])]  # again at the end: the bound is the best rate
+    rates = [matmul_rates(shape["matmul_size"])]  # again at the end: the bound is the best rate
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address="local", num_cpus=max(2, threads), include_dashboard=False, log_to_driver=False,
@@ -288,7 +288,7 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
     hf_peak = peak_memory_bytes("cpu")  # this process: HF's model and batches (pdserve ran in its actor)
     params, prefill_flops, decode_flops = flops_per_token(hf_model)
     del hf_model
-    rates.append(matmul_flops_per_s(shape["matmul_size"]))
+    rates.append(matmul_rates(shape["matmul_size"]))
     rate = max(max(r.values()) for r in rates)
     best_by_library = {lib: max(r[lib] for r in rates) for lib in rates[0]}
 
