@@ -16,6 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.linear import PackedWeight
 from pdserve.engine.memory import describe_peak, peak_memory_bytes
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models import named_parts
 from pdserve.engine.offline import generate
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -57,8 +58,7 @@ def weight_bytes_per_step(runner: ModelRunner) -> int:
     4-bit groups where it has them, else its plain float32 copy."""
     seen, total = set(), 0
     m = runner.model
-    named = [(name, t) for name, t in vars(m).items() if name not in ("embed", "wte", "wpe", "cos", "sin")]
-    named += [(slot, getattr(layer, slot)) for layer in m.layers for slot in layer.__slots__]
+    named = [(name, t) for name, t in named_parts(m) if name not in ("embed", "wte", "wpe", "cos", "sin")]
     for _, t in named:
         if isinstance(t, PackedWeight):
             if id(t) not in seen:

@@ -14,7 +14,7 @@ from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_loader import load_config, load_state_dict, resolve_model_dir
-from pdserve.engine.models import build_model
+from pdserve.engine.models import build_model, named_parts
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,8 @@ class ModelRunner:
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return f"torch ops on {self.device.type} ({str(self.dtype).removeprefix('torch.')})"
-        m = self.model
-        found = list(vars(m).values()) + [getattr(L, slot) for L in m.layers for slot in L.__slots__]
-        weights = list({id(w): w for w in found if isinstance(w, linear.PackedWeight)}.values())
+        found = [w for _, w in named_parts(self.model) if isinstance(w, linear.PackedWeight)]
+        weights = list({id(w): w for w in found}.values())
         gemm = weights[0].backend if weights else "torch.matmul"
         quant = sum(w.quant is not None for w in weights)
         parts = [f"GEMM {gemm}",

@@ -25,3 +25,11 @@ def build_model(config, state, dtype, device, max_positions: int):
             f"model types: {', '.join(sorted(MODEL_CLASSES))} (Llama family incl. SmolLM2, Mistral, Qwen2; GPT-2)"
         )
     return cls(config, state, dtype, device, max_positions)
+
+
+def named_parts(model) -> list[tuple[str, object]]:
+    """``(name, value)`` of every attribute of ``model`` and of each of its layers (their slots):
+    the weights in whatever form they are held, with the rest alongside."""
+    parts = list(vars(model).items())
+    parts += [(slot, getattr(layer, slot)) for layer in model.layers for slot in layer.__slots__]
+    return parts
