@@ -5,6 +5,11 @@ Decoding each new token alone is wrong twice over: byte-level tokenizers split o
 leading space from its neighbour. So, like vLLM and TGI, we decode a short window of tokens
 twice, with and without the new ones, and emit the difference; text that ends in U+FFFD (an
 incomplete UTF-8 sequence) is held back until the tokens that complete it arrive.
+
+We keep this loop rather than ``tokenizers.decoders.DecodeStream`` (same algorithm, checked with
+tokenizers 0.23): DecodeStream has no flush, so an output that ends mid-character loses its last
+bytes instead of ending in U+FFFD, and a prompt that ends mid-character leaks a U+FFFD into the
+first output piece.
 """
 
 from __future__ import annotations

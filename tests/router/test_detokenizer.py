@@ -59,3 +59,10 @@ def test_unfinished_character_is_flushed_as_replacement(tokenizer):
     assert text == "a"
     assert detok.flush() == tokenizer.decode(ids[:-1])[1:]
     assert "\ufffd" in tokenizer.decode(ids[:-1])
+
+
+def test_a_prompt_that_ends_mid_character_does_not_leak_into_the_output(tokenizer):
+    prompt = tokenizer.encode("🤖")[:-1]
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(stream(detok, tokenizer.encode("Hi"))) == "Hi"
