@@ -12,11 +12,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdserve.cli import _non_negative_float, _positive_int, default_transport
+from pdserve.cli import non_negative_float, positive_int
 from pdserve.loadtest.arrivals import ARRIVALS
 from pdserve.loadtest.driver import RunOptions
 from pdserve.loadtest.stats import SLO
 from pdserve.loadtest.workload import WORKLOADS, LengthRange, WorkloadConfig, WorkloadError, build_workload
+from pdserve.serve import default_transport
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,18 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "actors, each alike), run the same seeded workload against each, and write one "
                            "report: Markdown table, JSON with every request, PNG plots.")
     g = cmp_p.add_argument_group("servers")
-    g.add_argument("--prefill", type=_positive_int, default=1, metavar="P", help="prefill actors (default 1)")
-    g.add_argument("--decode", type=_positive_int, default=1, metavar="D",
+    g.add_argument("--prefill", type=positive_int, default=1, metavar="P", help="prefill actors (default 1)")
+    g.add_argument("--decode", type=positive_int, default=1, metavar="D",
                    help="decode actors (default 1); the colocated side gets P+D actors")
-    g.add_argument("--cpus-per-actor", type=_non_negative_float, default=1.0, metavar="N",
+    g.add_argument("--cpus-per-actor", type=non_negative_float, default=1.0, metavar="N",
                    help="Ray CPUs each actor reserves, both sides (default 1)")
-    g.add_argument("--gpus-per-actor", type=_non_negative_float, default=0.0, metavar="N",
+    g.add_argument("--gpus-per-actor", type=non_negative_float, default=0.0, metavar="N",
                    help="Ray GPUs each actor reserves, both sides; > 0 runs on CUDA (default 0)")
-    g.add_argument("--threads", type=_positive_int, default=1, help="torch threads per actor (default 1)")
+    g.add_argument("--threads", type=positive_int, default=1, help="torch threads per actor (default 1)")
     g.add_argument("--model", default="default", metavar="PATH",
                    help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file")
     g.add_argument("--kv-memory", default=None, metavar="SIZE", help="KV cache per actor, e.g. 512MiB")
-    g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N", help="context length")
+    g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N", help="context length")
     g.add_argument("--transport", choices=["grpc", "collective"], default=None,
                    help="KV transport of the disaggregated side (default, as pdserve serve: collective "
                    "with --gpus-per-actor > 0, grpc otherwise)")
@@ -70,7 +71,7 @@ def _add_common(p: argparse.ArgumentParser, default_out: str) -> None:
     w.add_argument("--workload", choices=WORKLOADS, default="mixed",
                    help="fixed lengths, uniform ranges, mixed (a share of long prompts), chat prompts, or a "
                    "trace replay (default mixed)")
-    w.add_argument("--num-requests", "-n", type=_positive_int, default=40, metavar="N", help="requests per run (default 40)")
+    w.add_argument("--num-requests", "-n", type=positive_int, default=40, metavar="N", help="requests per run (default 40)")
     w.add_argument("--prompt-tokens", type=_length, default=LengthRange(32, 256), metavar="N|LO:HI",
                    help="prompt length, or the short prompts' length in mixed (default 32:256)")
     w.add_argument("--output-tokens", type=_length, default=LengthRange(16, 128), metavar="N|LO:HI",

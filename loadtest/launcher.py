@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-RAY_NAMESPACE = "pdserve"  # as pdserve.cli's RAY_NAMESPACE
+RAY_NAMESPACE = "pdserve"  # as pdserve.serve's RAY_NAMESPACE
 _LISTENING = re.compile(r"pdserve: listening on (\S+) ")
 
 

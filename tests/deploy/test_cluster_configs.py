@@ -18,7 +18,7 @@ import pytest
 import ray
 import yaml
 
-from pdserve import cli
+from pdserve import cli, serve
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_UP_CONFIGS = sorted(p for p in DEPLOY.glob("*/*.yaml") if p.parent.name != "kuberay")
@@ -37,8 +37,8 @@ def serve_args(command: str):
         if end in words:
             words = words[:words.index(end)]
     args = cli.build_parser(words).parse_args(words)
-    assert args.func is cli.cmd_serve
-    assert cli._check_serve_args(args) is None
+    assert args.func is serve.cmd_serve
+    assert serve.check_serve_args(args) is None
     return args
 
 

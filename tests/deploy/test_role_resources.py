@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve import cli
+from pdserve import cli, serve
 from pdserve.router.resources import ResourceSpecError, RoleResources, parse_resources, unplaceable
 
 
@@ -35,7 +35,7 @@ def test_bad_specs_say_what_is_wrong(text, message):
 
 def serve_args(*flags: str):
     args = cli.build_parser().parse_args(["serve", *flags])
-    return args, cli._check_serve_args(args)
+    return args, serve.check_serve_args(args)
 
 
 def test_cpu_and_gpu_in_a_spec_replace_the_flags_and_custom_names_pin():

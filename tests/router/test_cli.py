@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from pdserve import cli
+from pdserve import cli, serve
 
 
 def test_sizes():
@@ -34,7 +34,7 @@ def test_serve_rejects_bad_counts(capsys):
 
 def test_disaggregated_defaults():
     args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", "--decode", "2"])
-    assert cli._check_serve_args(args) is None
+    assert serve.check_serve_args(args) is None
     assert (args.prefill, args.decode, args.transport) == (1, 2, "grpc")
     assert (args.prefill_cpus, args.prefill_gpus, args.decode_cpus, args.decode_gpus) == (1.0, 0.0, 1.0, 0.0)
 
@@ -49,21 +49,21 @@ def test_disaggregated_defaults():
 ])
 def test_the_default_transport_is_collective_when_both_roles_run_on_gpus(flags, transport):
     args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", *flags])
-    assert cli._check_serve_args(args) is None
+    assert serve.check_serve_args(args) is None
     assert args.transport == transport
 
 
 @pytest.mark.parametrize("flags,kv_push", [([], "chunk"), (["--kv-push", "layer"], "layer")])
 def test_kv_push_reaches_the_prefill_workers_config(flags, kv_push):
     args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", *flags])
-    assert cli._check_serve_args(args) is None
-    assert cli.actor_factory(args).configs["prefill"].kv_push == kv_push
+    assert serve.check_serve_args(args) is None
+    assert serve.actor_factory(args).configs["prefill"].kv_push == kv_push
 
 
 def test_per_role_resources():
     args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", "--prefill", "3", "--prefill-cpus",
                                           "0.5", "--prefill-gpus", "1", "--decode-cpus", "2", "--transport", "grpc"])
-    assert cli._check_serve_args(args) is None
+    assert serve.check_serve_args(args) is None
     assert (args.prefill, args.prefill_cpus, args.prefill_gpus, args.decode_cpus) == (3, 0.5, 1.0, 2.0)
 
 
@@ -90,14 +90,14 @@ def test_actors_that_cannot_fit_the_cluster_are_refused(monkeypatch):
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
     args = cli.build_parser().parse_args(["serve", "--mode", "disaggregated", "--prefill", "2"])
-    cli._check_serve_args(args)
-    error = cli._check_resources(args, strict=True)
+    serve.check_serve_args(args)
+    error = serve.check_resources(args, strict=True)
     assert "the workers ask for 3 CPUs in all but the Ray cluster has 2" in error
-    assert cli._check_resources(args, strict=False) is None  # --resource-wait: the cluster may grow
+    assert serve.check_resources(args, strict=False) is None  # --resource-wait: the cluster may grow
     args.prefill_cpus = 0.5
-    assert cli._check_resources(args, strict=True) is None
+    assert serve.check_resources(args, strict=True) is None
     args.prefill_gpus = 1
-    assert "ask for 2 GPUs" in cli._check_resources(args, strict=True)
+    assert "ask for 2 GPUs" in serve.check_resources(args, strict=True)
 
 
 def test_generate_needs_some_input(capsys, monkeypatch):
