@@ -15,12 +15,11 @@ to be recomputed from its tokens later (the output is unchanged, only delayed).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_allocator import BlockAllocator, OutOfBlocks
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence
 
 
 @dataclass
@@ -65,7 +64,7 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already in its (reserved) blocks: it decodes from the next step."""
-        seq.status = SequenceStatus.RUNNING
+        seq.start_running()
         self.running.append(seq)
 
     @property
@@ -79,9 +78,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.block_table.release(self.allocator)
-        seq.num_computed = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
+        seq.preempt()
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -131,9 +128,7 @@ class Scheduler:
             if not self._reserve(seq, n, out, may_preempt=False):
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.time()
+            seq.start_running()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
@@ -141,8 +136,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""
-        seq.finish_reason = reason
-        seq.status = SequenceStatus.FINISHED
+        seq.finish(reason)
         seq.block_table.release(self.allocator)
         if seq in self.running:
             self.running.remove(seq)

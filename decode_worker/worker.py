@@ -178,8 +178,7 @@ class EngineLoop:
             done_prefill = end == len(s.token_ids)
             num_decode += sch.num_tokens == 1 and done_prefill and start >= s.num_prompt_tokens
             items.append(BatchItem(s.token_ids[start:end], start, s.block_table.blocks, sample=done_prefill))
-            s.num_computed = end
-            s.block_table.num_tokens = end
+            s.mark_computed(end)
             if done_prefill:
                 sampled.append(s)
         try:
@@ -221,7 +220,7 @@ class EngineLoop:
         sched = seq.first_scheduled_time or now
         first = seq.first_token_time or now
         timings = {"queued": sched - seq.arrival_time, "prefill": max(0.0, first - sched), "decode": now - first}
-        if getattr(seq, "transfer_s", None) is not None:
+        if seq.transfer_s is not None:
             timings["transfer"] = seq.transfer_s
         delta = delta or RequestDelta(seq.request_id, [])
         delta.finish_reason = reason
@@ -229,7 +228,7 @@ class EngineLoop:
         delta.num_prompt_tokens = seq.num_prompt_tokens
         delta.num_output_tokens = seq.num_output_tokens
         delta.timings = timings
-        delta.kv_transfer_bytes = getattr(seq, "transfer_bytes", 0)
+        delta.kv_transfer_bytes = seq.transfer_bytes
         self._emit([delta])
 
     def _expire_leases(self) -> None:
@@ -304,11 +303,7 @@ class EngineLoop:
         if r is None:
             raise KeyError(f"no KV reservation for request {request_id!r} (expired or aborted)")
         seq = r.seq
-        seq.num_computed = len(seq.prompt_token_ids)
-        seq.block_table.num_tokens = seq.num_computed
-        seq.first_scheduled_time = seq.first_scheduled_time or time.time()
-        seq.transfer_s = transfer_s
-        seq.transfer_bytes = r.bytes_received
+        seq.kv_received(transfer_s, r.bytes_received)
         self.seqs[request_id] = seq
         reason = seq.append_token(first_token, first_logprob, self.runner.eos_token_ids, self.runner.max_model_len)
         # Token #1 already reached the client through the prefill side: no delta for it here.

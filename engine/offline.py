@@ -11,7 +11,7 @@ from __future__ import annotations
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence
 
 
 def generate(
@@ -34,9 +34,8 @@ def generate(
                 done_prefill = s.num_computed + n == len(s.token_ids)
                 items.append(BatchItem(s.token_ids[s.num_computed : s.num_computed + n], s.num_computed,
                                        s.block_table.blocks, sample=done_prefill))
-                s.num_computed += n
-                s.block_table.num_tokens = s.num_computed
-                s.status = SequenceStatus.RUNNING
+                s.mark_computed(s.num_computed + n)
+                s.start_running()
                 if done_prefill:
                     sampled.append(s)
             logits = runner.execute(items)
@@ -46,8 +45,7 @@ def generate(
                     reason = s.append_token(tokens[j], logprobs[j] if logprobs else None,
                                             runner.eos_token_ids, runner.max_model_len)
                     if reason:
-                        s.finish_reason = reason
-                        s.status = SequenceStatus.FINISHED
+                        s.finish(reason)
             active = [s for s in active if not s.is_finished]
     finally:
         for s in seqs:

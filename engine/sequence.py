@@ -28,20 +28,22 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
                  device: str | torch.device = "cpu", arrival_time: float | None = None) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.token_ids = list(prompt_token_ids)
-        self.params = params
-        self.block_table = BlockTable(block_size)
-        self.num_computed = 0
-        self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
-        self.output_logprobs: list[float] = []
-        self.generator = make_generator(params, device)
-        self.arrival_time = arrival_time if arrival_time is not None else time.time()
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.num_preemptions = 0
+        self.request_id: str = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then every sampled token
+        self.params: SamplingParams = params
+        self.block_table: BlockTable = BlockTable(block_size)  # the blocks holding this sequence's KV
+        self.num_computed: int = 0  # leading tokens whose KV is in the cache
+        self.status: SequenceStatus = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop", "length", "abort", "error" once finished
+        self.output_logprobs: list[float] = []  # logprob of each sampled token, when asked for
+        self.generator: torch.Generator | None = make_generator(params, device)  # seeded requests only
+        self.arrival_time: float = arrival_time if arrival_time is not None else time.time()  # wall clock
+        self.first_scheduled_time: float | None = None  # wall clock when it first got blocks and ran
+        self.first_token_time: float | None = None  # wall clock of its first sampled token
+        self.num_preemptions: int = 0  # times its KV was dropped to make room for others
+        self.transfer_s: float | None = None  # seconds its prompt's KV took to arrive from a prefill actor
+        self.transfer_bytes: int = 0  # bytes of that KV that arrived
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,6 +65,39 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def start_running(self, now: float | None = None) -> None:
+        """It holds blocks and runs (prefills or decodes) from now; the first time stamps
+        ``first_scheduled_time`` (``now``, wall clock, defaults to the present)."""
+        self.status = SequenceStatus.RUNNING
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now if now is not None else time.time()
+
+    def mark_computed(self, num_tokens: int) -> None:
+        """The KV of ``token_ids[:num_tokens]`` is now in its blocks (after a step or a transfer)."""
+        self.num_computed = num_tokens
+        self.block_table.num_tokens = num_tokens
+
+    def kv_received(self, transfer_s: float | None, transfer_bytes: int) -> None:
+        """The prompt's KV arrived from a prefill actor: the whole prompt is computed, and the
+        transfer's time and size are kept for the request's summary."""
+        self.mark_computed(len(self.prompt_token_ids))
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.time()
+        self.transfer_s = transfer_s
+        self.transfer_bytes = transfer_bytes
+
+    def preempt(self) -> None:
+        """Back to waiting with no KV (the caller has freed its blocks): every token is recomputed
+        when it runs again."""
+        self.num_computed = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def finish(self, reason: str) -> None:
+        """It ends with ``reason``; freeing its blocks is the caller's job."""
+        self.finish_reason = reason
+        self.status = SequenceStatus.FINISHED
 
     def next_generator(self) -> torch.Generator | None:
         """The generator for the next token of a seeded request, seeded by (seed, token index).

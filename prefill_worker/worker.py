@@ -221,7 +221,7 @@ class PrefillEngine:
                 return  # blocks come back as transfers finish
             self.waiting.popleft()
             t.admitted_time = time.time()
-            t.seq.first_scheduled_time = t.admitted_time
+            t.seq.start_running(t.admitted_time)
             try:
                 t.transfer = self.sender.open(t.req.request_id, t.dest.address, self.runner.model.num_layers,
                                               len(t.dest.block_ids), self.config.transfer_timeout_s)
@@ -248,8 +248,7 @@ class PrefillEngine:
             final = end == len(s.token_ids)
             items.append(BatchItem(s.token_ids[start:end], start, s.block_table.blocks, sample=final))
             budget -= end - start
-            s.num_computed = end
-            s.block_table.num_tokens = end
+            s.mark_computed(end)
             upto = -(-end // bs) if final else end // bs  # blocks complete after this chunk
             if upto > t.sent_blocks:
                 plan.append((t, t.sent_blocks, upto))

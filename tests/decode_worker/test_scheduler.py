@@ -40,9 +40,8 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
 def running_state(sched: Scheduler, s: Sequence, num_computed: int) -> None:
     """Put ``s`` in the running queue (admitted now) holding the blocks of ``num_computed`` tokens."""
     s.block_table.reserve(sched.allocator, num_computed)
-    s.num_computed = num_computed
-    s.block_table.num_tokens = num_computed
-    s.status = SequenceStatus.RUNNING
+    s.mark_computed(num_computed)
+    s.start_running()
     sched.running.append(s)
 
 
