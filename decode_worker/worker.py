@@ -33,6 +33,7 @@ from pdserve.engine.memory import peak_memory_bytes
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sequence import Sequence
+from pdserve.kv_transfer import start_receiver
 
 logger = logging.getLogger(__name__)
 
@@ -390,28 +391,6 @@ class EngineLoop:
         return self.call(lambda: dataclasses.replace(self.counters))
 
 
-def start_receiver(sink: EngineLoop, transport: str):
-    """The KV receiver of a decode actor, reachable from other nodes at this node's IP."""
-    host = "127.0.0.1"
-    try:
-        import ray
-
-        if ray.is_initialized():
-            host = ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    if transport == "grpc":
-        from pdserve.kv_transfer.grpc_transport import GrpcKVReceiver
-
-        return GrpcKVReceiver(sink, host=host)
-    if transport == "collective":
-        from pdserve.kv_transfer.collective_transport import CollectiveKVReceiver
-
-        return CollectiveKVReceiver(sink, host=host, device=sink.runner.device,
-                                    timeout_s=sink.config.kv_lease_s)
-    raise ValueError(f"unknown KV transport {transport!r}; choose grpc or collective")
-
-
 class DecodeWorker:
     """Ray actor class around ``EngineLoop`` (created with ``ray.remote`` in ``start_workers``)."""
 
@@ -421,7 +400,8 @@ class DecodeWorker:
         self.name = name
         self.receiver = None
         if config.role == "decode":
-            self.receiver = start_receiver(self.loop, config.transport)
+            self.receiver = start_receiver(self.loop, config.transport, self.loop.runner.device,
+                                           config.kv_lease_s)
 
     def kv_address(self) -> str | None:
         """Where prefill actors push KV for this actor (decode role only)."""

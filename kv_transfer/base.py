@@ -18,10 +18,8 @@ import torch
 
 # Pieces of about this size (whole layers of a chunk's blocks grouped up to it, at least one layer)
 # are what the prefill worker hands a transport (``PrefillConfig.frame_bytes``). Fewer, larger
-# pieces cost less per byte; smaller ones overlap the transfer with the prefill more finely. At 4
-# MiB a 512-token prompt of the default model goes in 6 pieces of 5 layers (instead of 15 of 2 at
-# 2 MiB): 20.6 against 21.8 ms over gRPC and 16.4 against 18.7 ms over gloo, medians of four runs
-# alternated on one pair of actors; at 2048 tokens one layer is already 3 MB, one piece each way.
+# pieces cost less per byte; smaller ones overlap the transfer with the prefill more finely. 4 MiB
+# pieces pushed a prompt faster than 2 MiB ones over both gRPC and gloo (BENCHMARKS.md).
 DEFAULT_FRAME_BYTES = 4 << 20
 
 
@@ -34,10 +32,6 @@ class TransferState(enum.Enum):
 
 class TransferError(RuntimeError):
     """A transfer failed; the message says why (the decode side has released the blocks)."""
-
-
-class IntegrityError(TransferError):
-    """A piece arrived damaged (checksum, size or shape mismatch)."""
 
 
 class KVSink(Protocol):

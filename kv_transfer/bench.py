@@ -50,14 +50,11 @@ import time
 import torch
 
 from pdserve.engine.memory import describe_peak
+from pdserve.kv_transfer import TRANSPORTS, make_sender, start_receiver
 from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES
 
-# The transports measured, in order: name -> (module, receiver class). The sender side is
-# ``prefill_worker.worker.make_sender(name)``. A new transport adds one line here.
-TRANSPORTS: dict[str, tuple[str, str]] = {
-    "grpc": ("pdserve.kv_transfer.grpc_transport", "GrpcKVReceiver"),
-    "collective": ("pdserve.kv_transfer.collective_transport", "CollectiveKVReceiver"),
-}
+# The transports measured, in order, are ``kv_transfer.TRANSPORTS``: both ends are built by name
+# (``make_sender``, ``start_receiver``).
 
 FULL = dict(prompt_tokens=(512, 2048), rounds=9, warmup_s=1.0)
 # ``warmup_s``: untimed pushes before the timed ones, per transport and size, for at least this
@@ -179,15 +176,12 @@ class TransferReceiver:
     reads length-prefixed messages into a preallocated buffer and acknowledges each with one byte."""
 
     def __init__(self, geo: dict, num_blocks: int, transports: list[str], max_bytes: int) -> None:
-        import importlib
-
         torch.set_num_threads(1)
         self.sink = BenchSink(geo, num_blocks)
         host = "127.0.0.1"
         self.receivers = {}
         for name in transports:
-            module, cls = TRANSPORTS[name]
-            self.receivers[name] = getattr(importlib.import_module(module), cls)(self.sink, host=host)
+            self.receivers[name] = start_receiver(self.sink, name, host=host)
         self._buf = bytearray(max_bytes)
         self._server = socket.create_server((host, 0))
         threading.Thread(target=self._serve_tcp, daemon=True).start()
@@ -278,12 +272,12 @@ def _bare_grpc_server(host: str):
 
     import grpc
 
-    from pdserve.kv_transfer.grpc_transport import _CHANNEL_OPTIONS
+    from pdserve.kv_transfer.grpc_transport import CHANNEL_OPTIONS
 
     def push(request_iterator, context):
         return str(sum(len(m) for m in request_iterator)).encode()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
     handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.bench.Bare", {"Push": handler}),))
     port = server.add_insecure_port(f"{host}:0")
@@ -329,8 +323,6 @@ class TransferSender:
              warmup_s: float) -> dict:
         """Time ``rounds`` whole-request pushes (after ``warmup_s`` of untimed ones); every one must succeed."""
         import ray
-
-        from pdserve.prefill_worker.worker import make_sender
 
         if transport not in self.senders:
             self.senders[transport] = make_sender(transport)
@@ -382,14 +374,14 @@ class TransferSender:
         transport's pieces, built beforehand, over a channel with the gRPC transport's options."""
         import grpc
 
-        from pdserve.kv_transfer.grpc_transport import _CHANNEL_OPTIONS, _SENDER_OPTIONS
+        from pdserve.kv_transfer.grpc_transport import CHANNEL_OPTIONS, SENDER_OPTIONS
         from pdserve.kv_transfer.wire import tensor_to_bytes
 
         data = self._data(num_blocks)
         messages = [tensor_to_bytes(data[:, layers.start:layers.stop])
                     for layers in _pieces(data.shape[1], data[:, :1].numel() * data.element_size(), frame_bytes)]
         total = sum(len(m) for m in messages)
-        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS + _SENDER_OPTIONS) as channel:
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS + SENDER_OPTIONS) as channel:
             call = channel.stream_unary(_BARE_METHOD, request_serializer=None, response_deserializer=None)
 
             def once() -> float:

@@ -51,15 +51,9 @@ import torch.distributed as dist
 import xxhash
 
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
-from pdserve.kv_transfer.grpc_transport import (
-    _END,
-    MAX_FRAME_BYTES,
-    GrpcKVReceiver,
-    GrpcKVSender,
-    GrpcTransfer,
-    _Lander,
-)
-from pdserve.kv_transfer.wire import _DTYPES, FrameHeader, checksum
+from pdserve.kv_transfer.grpc_transport import MAX_FRAME_BYTES, GrpcKVReceiver, GrpcKVSender, GrpcTransfer
+from pdserve.kv_transfer.landing import LAND_DEPTH
+from pdserve.kv_transfer.wire import DTYPES, FrameHeader, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +63,7 @@ HALF_BYTES = SLOT_BYTES // 2  # a slot's keys land in its first half, its values
 TAGS_PER_TRANSFER = 1 << 16  # a transfer's tag range: frame i's keys and values go with tags base + 2i, +1
 _TRANSFER_RANGES = 1 << 15  # tag ranges of a group before they wrap (2**31 tags in all)
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # what the sends that match spare receives carry
+_STOP = object()  # ends a transfer's poster thread
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -202,24 +197,23 @@ class CollectiveKVReceiver(KVReceiver):
     post_ahead: bool | None = None  # None: gloo posts ahead, NCCL does not (a test forces it)
 
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", device: str | torch.device = "cpu",
-                 timeout_s: float = 30.0, land_depth: int = _Lander.DEPTH) -> None:
+                 timeout_s: float = 30.0) -> None:
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         if self.post_ahead is None:
             self.post_ahead = self.backend == "gloo"
         self.timeout_s = timeout_s
-        self.land_depth = land_depth
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._groups: dict[str, _Group] = {}
         self._free: list[list[torch.Tensor]] = []  # receive buffers that ended streams gave back
         self._lock = threading.Lock()
         # Per control-stream thread (a stream is served by one thread at a time): the stream's
-        # ``_Inbox`` (post_ahead), or a ring of ``land_depth + 2`` receive buffers (NCCL). Buffers
+        # ``_Inbox`` (post_ahead), or a ring of ``LAND_DEPTH + 2`` receive buffers (NCCL). Buffers
         # are reused stream after stream (fresh ones would page-fault megabytes in every time).
         self._streams: dict[int, _StreamState] = {}  # by thread id; cleared by ``stop``
         self._grpc = GrpcKVReceiver(_SinkHooks(sink, self), host=host, fetch=self._fetch, on_join=self._join,
-                                    timeout_s=timeout_s, land_depth=land_depth)
+                                    timeout_s=timeout_s)
         self._host = host
 
     @property
@@ -257,9 +251,9 @@ class CollectiveKVReceiver(KVReceiver):
         group = st.group
         if group is None or group.name != h.group:
             raise ValueError(f"frame {h.i} of {h.rid}: process group {h.group!r} is not its stream's")
-        if h.dtype not in _DTYPES:
+        if h.dtype not in DTYPES:
             raise ValueError(f"frame {h.i} of {h.rid}: unknown dtype {h.dtype!r}")
-        dtype = _DTYPES[h.dtype]
+        dtype = DTYPES[h.dtype]
         count = 1
         for d in h.shape:
             count *= d
@@ -272,7 +266,7 @@ class CollectiveKVReceiver(KVReceiver):
     def _fetch(self, h: FrameHeader, raw: None):
         """Take frame ``h``: with receives posted ahead, its verified data (the stream's thread
         writes it); on the receive-on-header path, the function that waits for it and verifies it
-        (run by the stream's ``_Lander``, in frame order, while the stream's thread reads the next
+        (run by the stream's ``landing.Lander``, in frame order, while the stream's thread reads the next
         header and posts the next receives)."""
         group, dtype = self._check(h)
         if self.post_ahead:
@@ -356,7 +350,7 @@ class CollectiveKVReceiver(KVReceiver):
 
     def _fetch_on_header(self, h: FrameHeader, group: _Group, dtype: torch.dtype):
         if h.i == 0:  # a new stream on this thread: a fresh ring (a failed stream's receives may
-            self._stream().ring = [None] * (self.land_depth + 2)  # still land in the old one)
+            self._stream().ring = [None] * (LAND_DEPTH + 2)  # still land in the old one)
         ring = self._stream().ring
         slot = h.i % len(ring)
         if ring[slot] is None or ring[slot].numel() < h.n:
@@ -421,8 +415,8 @@ class _Pair:
 
 class _StagingPool:
     """Packed staging buffers of ``SLOT_BYTES``, reused piece after piece and transfer after
-    transfer: packing a strided piece into a fresh tensor page-faults its megabytes in every time
-    (here about 0.39 ms per MB against 0.14 for a copy into a buffer already in memory)."""
+    transfer: packing a strided piece into a fresh tensor page-faults its megabytes in every time,
+    a copy into a buffer already in memory does not."""
 
     KEEP = 2 * RECV_AHEAD  # free buffers kept (more go back to the allocator)
 
@@ -460,12 +454,11 @@ class CollectiveTransfer(GrpcTransfer):
     The caller's thread checksums each piece (packing it first only when its keys or values are not
     contiguous); a thread of the transfer's own (the poster) then posts the piece's two sends and,
     right after them, queues its header, in frame order. gloo writes a piece into the socket inside
-    ``send`` itself when the receiver's ``recv`` is already posted (milliseconds per piece), so on
+    ``send`` itself when the receiver's ``recv`` is already posted, so on
     the caller's thread those writes would stall the prefill compute and the next piece; on the
     poster they overlap both. (On CUDA the checksum reads back to the host, so a packed buffer is
     complete before the poster sees it.)"""
 
-    post_on_thread = True  # False: post on the caller's thread (for A/B measurements only)
     STAGED = 2 * RECV_AHEAD  # packed pieces in flight; packing one more waits for the oldest's send
 
     def __init__(self, stub, request_id: str, timeout_s: float, pair: _Pair, staging: _StagingPool) -> None:
@@ -508,9 +501,6 @@ class CollectiveTransfer(GrpcTransfer):
         header = FrameHeader(self.request_id, i, (layers.start, layers.stop), list(block_ids),
                              str(data.dtype).removeprefix("torch."), tuple(data.shape), _halves_checksum(*halves),
                              nbytes, group=self.pair.name, tag=tag)
-        if not self.post_on_thread:
-            self._post(header.pack(), halves, tag, staged)
-            return []
         if self._poster is None:
             self._poster = threading.Thread(target=self._post_loop, name=f"kv-post-{self.request_id}", daemon=True)
             self._poster.start()
@@ -541,7 +531,7 @@ class CollectiveTransfer(GrpcTransfer):
     def _post_loop(self) -> None:
         while True:
             item = self._posts.get()
-            if item is _END:
+            if item is _STOP:
                 return
             self._post(*item)
 
@@ -571,7 +561,7 @@ class CollectiveTransfer(GrpcTransfer):
         """Wait (bounded by the transfer's timeout) until every piece handed over is posted."""
         if self._poster is None:
             return
-        self._posts.put(_END)
+        self._posts.put(_STOP)
         self._poster.join(self._timeout_s)
         if self._poster.is_alive() and self._send_error is None:
             self._send_error = f"posting the sends over {self.pair.backend} timed out"
@@ -611,7 +601,7 @@ class CollectiveTransfer(GrpcTransfer):
     def abort(self, reason: str = "aborted") -> None:
         self.pair.broken = True
         super().abort(reason)
-        self._posts.put(_END)  # the poster drops what is left and ends
+        self._posts.put(_STOP)  # the poster drops what is left and ends
 
 
 class CollectiveKVSender(KVSender):
@@ -650,7 +640,7 @@ class CollectiveKVSender(KVSender):
 
             t = threading.Thread(target=join_self, daemon=True)
             t.start()
-            ack = self._grpc._stub(control)(
+            ack = self._grpc.stub(control)(
                 iter([FrameHeader("", 0, join=True, group=name, store=name).pack()]), timeout=self.timeout_s)
             t.join(self.timeout_s)
             if not ack.ok or "group" not in result:
@@ -671,7 +661,7 @@ class CollectiveKVSender(KVSender):
         except Exception as exc:
             raise TransferError(f"could not reach {destination}: {exc}") from None
         control = destination.split("|")[0]
-        return CollectiveTransfer(self._grpc._stub(control), request_id, timeout_s, pair, self._staging)
+        return CollectiveTransfer(self._grpc.stub(control), request_id, timeout_s, pair, self._staging)
 
     def close(self) -> None:
         self._grpc.close()

@@ -24,7 +24,8 @@ import msgpack
 import torch
 import xxhash
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes a piece may have, by the name a frame header gives them.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -93,8 +94,8 @@ def contiguous_parts(t: torch.Tensor) -> list:
 
 
 def checksum_bytes(raw) -> int:
-    """Checksum of a bytes-like object: XXH3-64 (about 4x cheaper than CRC32 here, and a stronger
-    check of random damage)."""
+    """Checksum of a bytes-like object: XXH3-64 (cheaper than CRC32, and a stronger check of
+    random damage)."""
     return xxhash.xxh3_64_intdigest(raw)
 
 
@@ -164,9 +165,9 @@ def decode_piece(header: FrameHeader, raw: bytes | memoryview | None) -> torch.T
     crc = checksum_bytes(raw)
     if crc != header.crc:
         raise ValueError(f"frame {header.i} of {header.rid}: checksum mismatch ({crc:#x} != {header.crc:#x})")
-    if header.dtype not in _DTYPES:
+    if header.dtype not in DTYPES:
         raise ValueError(f"frame {header.i} of {header.rid}: unknown dtype {header.dtype!r}")
-    dtype = _DTYPES[header.dtype]
+    dtype = DTYPES[header.dtype]
     count = 1
     for s in header.shape:
         count *= s

@@ -28,7 +28,8 @@ from pdserve.engine.memory import peak_memory_bytes
 from pdserve.engine.model_runner import BatchItem, ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sequence import Sequence
-from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES, KVSender, Transfer, TransferError
+from pdserve.kv_transfer import KVSender, Transfer, TransferError, make_sender
+from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +85,6 @@ class _Task:
     sent_blocks: int = 0  # prompt blocks already pushed (all layers)
     aborted: bool = False
     admitted_time: float | None = None
-
-
-def make_sender(name: str, device: str = "cpu", timeout_s: float = 30.0) -> KVSender:
-    if name == "grpc":
-        from pdserve.kv_transfer.grpc_transport import GrpcKVSender
-
-        return GrpcKVSender()
-    if name == "collective":
-        from pdserve.kv_transfer.collective_transport import CollectiveKVSender
-
-        return CollectiveKVSender(device, timeout_s)
-    raise ValueError(f"unknown KV transport {name!r}; choose grpc or collective")
 
 
 class PrefillEngine:

@@ -93,7 +93,8 @@ def make_pd(tiny, one_thread):
     """Factory: ``make_pd(max_num_batched_tokens=64, transport="grpc", kv_lease_s=30, kv_reserve_timeout_s=300, frame_bytes=..., sink=None, kv_push="layer")``
     -> ``Disaggregated``; everything is stopped after the test. ``sink(loop)`` may wrap the decode
     loop in what the receiver lands pieces into."""
-    from pdserve.decode_worker.worker import EngineLoop, WorkerConfig, start_receiver
+    from pdserve.decode_worker.worker import EngineLoop, WorkerConfig
+    from pdserve.kv_transfer import start_receiver
     from pdserve.prefill_worker.worker import PrefillConfig, PrefillEngine
 
     from pd_suite import engine_config
@@ -106,7 +107,7 @@ def make_pd(tiny, one_thread):
         decode = EngineLoop(WorkerConfig(engine=engine_config(tiny, decode_blocks), role="decode", transport=transport,
                                          kv_lease_s=kv_lease_s, kv_reserve_timeout_s=kv_reserve_timeout_s),
                             name="decode-0")
-        receiver = start_receiver(sink(decode) if sink else decode, transport)
+        receiver = start_receiver(sink(decode) if sink else decode, transport, decode.runner.device, kv_lease_s)
         prefill = PrefillEngine(PrefillConfig(engine=engine_config(tiny, prefill_blocks),
                                               max_num_batched_tokens=max_num_batched_tokens,
                                               max_num_seqs=max_num_seqs, transport=transport,

@@ -19,8 +19,8 @@ import torch
 from pd_suite import BLOCK_SIZE, colocated_outputs, drain, wait_until
 from pdserve.decode_worker.messages import WorkerRequest
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVSender, Transfer
-from pdserve.prefill_worker.worker import FirstToken, KVDestination, make_sender
+from pdserve.kv_transfer import KVSender, Transfer, make_sender
+from pdserve.prefill_worker.worker import FirstToken, KVDestination
 
 LENGTHS = [3, 4, 5, 9, 16, 17, 31, 64, 99, 128, 150, 200]
 NEW_TOKENS = 8
