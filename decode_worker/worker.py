@@ -8,8 +8,8 @@ with ``next_outputs()`` (a long poll), so one Ray call carries all tokens of one
 Two ways in:
 - ``add_request``: a raw prompt; this actor prefills it in chunks mixed into decode steps
   (colocated mode);
-- ``reserve_kv`` -> ``import_kv`` (per layer range) -> ``start_decode``: the prompt's KV was
-  computed elsewhere (disaggregated mode); blocks are reserved first, then filled, then the
+- ``reserve_kv`` -> ``write_kv`` (per piece, from a KV transport) -> ``complete_kv``: the prompt's
+  KV was computed elsewhere (disaggregated mode); blocks are reserved first, then filled, then the
   request joins the batch from the first token the prefill side sampled.
 """
 
@@ -93,7 +93,6 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._out_cv = threading.Condition()
         self._stop = False
-        self.num_steps = 0
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
@@ -190,7 +189,6 @@ class EngineLoop:
             for sch in out.scheduled:
                 self._finish(sch.seq, "error", error=f"engine step failed: {exc}")
             return
-        self.num_steps += 1
         self._count_step(out.num_tokens, num_decode, time.perf_counter() - t0)
         deltas = []
         for j, s in enumerate(sampled):
@@ -345,15 +343,13 @@ class EngineLoop:
         r.opened = True
         r.deadline = time.time() + self.config.kv_lease_s
 
-    def write_kv(self, request_id: str, layers: range, block_ids: list[int] | None, data: torch.Tensor) -> None:
-        """Write pieces of a reserved request's KV (``block_ids=None``: all its blocks)."""
+    def write_kv(self, request_id: str, layers: range, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write a piece of a reserved request's KV into its ``block_ids`` for ``layers``."""
         r = self.reserved.get(request_id)
         if r is None:
             raise KeyError(f"no KV reservation for request {request_id!r} (expired, aborted or unknown)")
         owned = r.seq.block_table.blocks
-        if block_ids is None:
-            block_ids = owned
-        elif not set(block_ids) <= set(owned):
+        if not set(block_ids) <= set(owned):
             raise ValueError(f"blocks {sorted(set(block_ids) - set(owned))} are not reserved for {request_id!r}")
         with r.lock:
             if r.released:
@@ -365,24 +361,18 @@ class EngineLoop:
             r.deadline = time.time() + self.config.kv_lease_s  # progress renews the lease
 
     def complete_kv(self, request_id: str, first_token: int, first_logprob: float | None, transfer_s: float) -> None:
+        """Every piece arrived (checked): the request joins the running batch from ``first_token``,
+        which the prefill side sampled and already sent to the client."""
         r = self.reserved.get(request_id)
         if r is None:
             raise KeyError(f"no KV reservation for request {request_id!r} (expired, aborted or unknown)")
         expected = self.runner.model.num_layers * len(r.seq.block_table.blocks)
         if r.pieces != expected:
             raise ValueError(f"incomplete KV for {request_id!r}: {r.pieces} of {expected} layer-blocks arrived")
-        self.start_decode(request_id, first_token, first_logprob, transfer_s)
+        self.call(lambda: self._start(request_id, first_token, first_logprob, transfer_s))
 
     def fail_kv(self, request_id: str, error: str) -> None:
         self.call(lambda: self._fail_reservation(request_id, error))
-
-    def import_kv(self, request_id: str, layers: range, data: torch.Tensor) -> None:
-        """Write all of a reserved request's blocks for ``layers`` (no transport: tests, same process)."""
-        self.write_kv(request_id, layers, None, data)
-
-    def start_decode(self, request_id: str, first_token: int, first_logprob: float | None = None,
-                     transfer_s: float | None = None) -> None:
-        self.call(lambda: self._start(request_id, first_token, first_logprob, transfer_s))
 
     def get_stats(self) -> WorkerStats:
         return self.call(self.stats)
@@ -436,16 +426,6 @@ class DecodeWorker:
 
     def reserve_kv(self, req: WorkerRequest) -> list[int]:
         return self.loop.reserve_kv(req)
-
-    def import_kv(self, request_id: str, layers: tuple[int, int], data: torch.Tensor) -> None:
-        self.loop.import_kv(request_id, range(*layers), data)
-
-    def start_decode(self, request_id: str, first_token: int, first_logprob: float | None = None,
-                     transfer_s: float | None = None) -> None:
-        self.loop.start_decode(request_id, first_token, first_logprob, transfer_s)
-
-    def num_steps(self) -> int:
-        return self.loop.num_steps
 
     def counters(self) -> EngineCounters:
         return self.loop.get_counters()

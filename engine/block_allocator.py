@@ -30,10 +30,6 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
@@ -69,6 +65,12 @@ class BlockAllocator:
 
     def ref_count(self, block_id: int) -> int:
         return self._refs[block_id]
+
+
+def slot_ids(blocks: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Flat slot ids (block_id * block_size + offset) of positions ``start..end-1`` of a sequence
+    whose block table is ``blocks``: where the KV cache keeps those positions' keys and values."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 class BlockTable:
@@ -117,8 +119,3 @@ class BlockTable:
         allocator.free(self.blocks)
         self.blocks = []
         self.num_tokens = 0
-
-    def slots(self, start: int, end: int) -> list[int]:
-        """Flat slot ids (block_id * block_size + offset) of positions ``start..end-1``."""
-        bs = self.block_size
-        return [self.blocks[p // bs] * bs + p % bs for p in range(start, end)]

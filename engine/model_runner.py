@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine import paged_decode
 from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator, slot_ids
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_loader import load_config, load_state_dict, resolve_model_dir
@@ -140,12 +140,11 @@ class ModelRunner:
             positions.extend(range(it.start_pos, end_pos))
             if n == 1 and use_kernel:
                 # The kernel takes the block table as it is: no per-token slot list to build.
-                p = it.start_pos
-                slots.append(bt[p // bs] * bs + p % bs)
+                slots.extend(slot_ids(bt, bs, it.start_pos, end_pos))
                 decode_tables.append(bt)
                 decode_lens.append(end_pos)
             else:
-                ctx = [bt[p // bs] * bs + p % bs for p in range(end_pos)]
+                ctx = slot_ids(bt, bs, 0, end_pos)
                 slots.extend(ctx[it.start_pos:])
                 if n == 1:
                     decode_ctx.append(ctx)

@@ -138,9 +138,6 @@ class RouterMetrics:
             self._http.server_close()
             self._http = None
 
-    def request(self) -> "RequestObserver":
-        return RequestObserver(self)
-
     # ---- scrape time -----------------------------------------------------------------------------
 
     def _refresh_workers(self) -> None:

@@ -1,6 +1,6 @@
 """The worker as a real Ray actor (``start_workers``): the default model token-identical to HF greedy,
-one ``next_outputs()`` call per step at most (not per token), errors that leave it serving, and the
-disaggregated entry through actor calls.
+one ``next_outputs()`` call per step at most (not per token), and errors that leave it serving (the
+disaggregated entry through real actors and transports is in tests/prefill_worker/test_prefill_actors.py).
 """
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ def test_default_model_through_an_actor_matches_hf_greedy(ray_cluster, actors, d
 def test_one_next_outputs_call_carries_the_tokens_of_many_requests(ray_cluster, tiny_actor, tiny):
     prompts = tiny.prompts([4, 9, 13, 20, 27, 33, 6, 15], seed=20)
     n = 16
-    steps_before = ray_cluster.get(tiny_actor.num_steps.remote())
+    steps_before = ray_cluster.get(tiny_actor.counters.remote()).num_steps
     ray_cluster.get([tiny_actor.add_request.remote(req(f"m{i}", p, n)) for i, p in enumerate(prompts)])
     ids = [f"m{i}" for i in range(len(prompts))]
     tokens, finals, answers = drain(ray_cluster, tiny_actor, ids)
-    steps = ray_cluster.get(tiny_actor.num_steps.remote()) - steps_before
+    steps = ray_cluster.get(tiny_actor.counters.remote()).num_steps - steps_before
 
     total_tokens = sum(len(t) for t in tokens.values())
     assert total_tokens == n * len(prompts)
@@ -122,23 +122,3 @@ def test_an_actor_rejects_a_request_bigger_than_its_pool_and_keeps_serving(ray_c
     tokens, finals, _ = drain(ray_cluster, tiny_actor, ["ok"])
     assert tokens["ok"] == tiny.greedy(ok, 8)
     assert "big" not in finals
-
-
-def test_the_kv_entry_through_actor_calls(ray_cluster, tiny_actor, tiny, one_thread):
-    from pdserve.engine.model_runner import BatchItem, ModelRunner
-
-    prompt = tiny.prompts([14], seed=22)[0]
-    runner = ModelRunner(EngineConfig(model=str(tiny.path), block_size=4, num_blocks=8, show_progress=False))
-    blocks = runner.allocator.allocate(4)
-    first = int(runner.execute([BatchItem(prompt, 0, blocks)])[0].argmax())
-    reserved = ray_cluster.get(tiny_actor.reserve_kv.remote(req("kv", prompt, 6)))
-    assert len(reserved) == 4
-    ray_cluster.get(tiny_actor.import_kv.remote("kv", (0, 1), runner.kv.export_blocks(blocks, range(0, 1))))
-    ray_cluster.get(tiny_actor.import_kv.remote("kv", (1, 2), runner.kv.export_blocks(blocks, range(1, 2))))
-    ray_cluster.get(tiny_actor.start_decode.remote("kv", first))
-    tokens, finals, _ = drain(ray_cluster, tiny_actor, ["kv"])
-    assert [first] + tokens["kv"] == tiny.greedy(prompt, 6)
-    with pytest.raises(KeyError):
-        ray_cluster.get(tiny_actor.start_decode.remote("kv", first))  # consumed
-    st = ray_cluster.get(tiny_actor.stats.remote())
-    assert st.free_blocks == st.total_blocks

@@ -216,6 +216,6 @@ def test_counters_split_prefill_and_decode_work(tiny, make_loop, collect):
     c = loop.get_counters()
     assert c.prefill_tokens == 29
     assert c.decode_tokens == 2 * 5  # the first token of each comes from its prefill
-    assert c.num_steps == loop.num_steps >= 6
+    assert c.num_steps >= 6
     assert c.prefill_step_s > 0 and c.decode_step_s > 0
     assert c.num_preemptions == 0

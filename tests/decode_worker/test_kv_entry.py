@@ -1,5 +1,5 @@
-"""The disaggregated entry of the decode worker: ``reserve_kv`` -> ``import_kv`` per layer range ->
-``start_decode(first_token)``, with the prompt's KV computed by another ``ModelRunner`` (as a
+"""The disaggregated entry of the decode worker, as a KV transport drives it: ``reserve_kv`` ->
+``write_kv`` per piece -> ``complete_kv(first_token)``, with the prompt's KV computed by another ``ModelRunner`` (as a
 prefill actor does), and the lease that returns reserved blocks nobody filled.
 """
 
@@ -51,13 +51,13 @@ def test_kv_from_another_runner_continues_exactly_like_hf(tiny, make_loop, colle
     assert pblocks != block_ids
     half = prefill_runner.model.num_layers // 2
     for layers in (range(0, half), range(half, prefill_runner.model.num_layers)):
-        loop.import_kv("d", layers, prefill_runner.kv.export_blocks(pblocks, layers))
+        loop.write_kv("d", layers, block_ids, prefill_runner.kv.export_blocks(pblocks, layers))
     # the KV landed in exactly the reserved blocks, and nothing else was allocated for it
     assert loop.call(lambda: loop.reserved["d"].seq.block_table.blocks) == block_ids
     for layer in range(prefill_runner.model.num_layers):
         r = range(layer, layer + 1)
         assert loop.runner.kv.export_blocks(block_ids, r).equal(prefill_runner.kv.export_blocks(pblocks, r))
-    loop.start_decode("d", first)
+    loop.complete_kv("d", first, None, 0.01)
     out.wait_all(["d", "colocated"])
 
     # token #1 went to the client from the prefill side: the decode side streams #2 onwards
@@ -70,28 +70,28 @@ def test_kv_from_another_runner_continues_exactly_like_hf(tiny, make_loop, colle
     assert st.free_blocks == st.total_blocks
 
 
-def test_start_needs_every_layer_and_import_needs_a_reservation(tiny, make_loop, collect, prefill_runner):
+def test_complete_needs_every_layer_and_writes_need_a_reservation(tiny, make_loop, collect, prefill_runner):
     loop = make_loop(num_blocks=32)
     out = collect(loop)
     prompt = tiny.prompts([10], seed=11)[0]
     with pytest.raises(KeyError):
-        loop.import_kv("unknown", range(0, 1), prefill_runner.kv.export_blocks([0, 1, 2], range(0, 1)))
+        loop.write_kv("unknown", range(0, 1), [0, 1, 2], prefill_runner.kv.export_blocks([0, 1, 2], range(0, 1)))
     with pytest.raises(KeyError):
-        loop.start_decode("unknown", 5)
+        loop.complete_kv("unknown", 5, None, 0.0)
 
     block_ids = loop.reserve_kv(req("d", prompt, 4))
     with pytest.raises(ValueError, match="already in use"):
         loop.reserve_kv(req("d", prompt, 4))
     pblocks, first = prefill(prefill_runner, prompt)
     with pytest.raises(ValueError, match="shape"):  # one block short
-        loop.import_kv("d", range(0, 1), prefill_runner.kv.export_blocks(pblocks[:-1], range(0, 1)))
+        loop.write_kv("d", range(0, 1), block_ids, prefill_runner.kv.export_blocks(pblocks[:-1], range(0, 1)))
     with pytest.raises(ValueError, match="not reserved"):
         loop.write_kv("d", range(0, 1), [b + 1 for b in block_ids],
                       prefill_runner.kv.export_blocks(pblocks, range(0, 1)))
-    loop.import_kv("d", range(0, 1), prefill_runner.kv.export_blocks(pblocks, range(0, 1)))
+    loop.write_kv("d", range(0, 1), block_ids, prefill_runner.kv.export_blocks(pblocks, range(0, 1)))
     with pytest.raises(ValueError, match="incomplete"):
         loop.complete_kv("d", first, None, 0.0)
-    loop.import_kv("d", range(1, 2), prefill_runner.kv.export_blocks(pblocks, range(1, 2)))
+    loop.write_kv("d", range(1, 2), block_ids, prefill_runner.kv.export_blocks(pblocks, range(1, 2)))
     loop.complete_kv("d", first, None, 0.01)
     out.wait_all(["d"])
     assert [first] + out.tokens["d"] == tiny.greedy(prompt, 4)
@@ -102,7 +102,7 @@ def test_an_expired_lease_frees_the_blocks(tiny, make_loop, collect, prefill_run
     loop = make_loop(num_blocks=32, kv_reserve_timeout_s=0.2)
     out = collect(loop)
     prompt = tiny.prompts([30], seed=12)[0]
-    loop.reserve_kv(req("slow", prompt, 4))
+    block_ids = loop.reserve_kv(req("slow", prompt, 4))
     assert loop.get_stats().free_blocks == 32 - 8
     out.wait_all(["slow"], timeout=10)
     final = out.final["slow"]
@@ -111,9 +111,9 @@ def test_an_expired_lease_frees_the_blocks(tiny, make_loop, collect, prefill_run
     assert st.free_blocks == st.total_blocks
     pblocks, first = prefill(prefill_runner, prompt)
     with pytest.raises(KeyError):  # too late: the blocks may belong to someone else now
-        loop.import_kv("slow", range(0, 1), prefill_runner.kv.export_blocks(pblocks, range(0, 1)))
+        loop.write_kv("slow", range(0, 1), block_ids, prefill_runner.kv.export_blocks(pblocks, range(0, 1)))
     with pytest.raises(KeyError):
-        loop.start_decode("slow", first)
+        loop.complete_kv("slow", first, None, 0.0)
     assert loop.take_outputs(0.1) == []  # exactly one final delta
 
 

@@ -54,7 +54,7 @@ def test_whole_prompts_are_admitted_in_one_step_when_budget_allows():
     assert [s.request_id for s in sched.running] == ["a", "b", "c"]
     assert not sched.waiting
     # Blocks for exactly the scheduled tokens: 2 + 3 + 1.
-    assert sched.allocator.num_used == 6
+    assert sched.allocator.num_free == sched.allocator.num_blocks - 6
 
 
 def test_decodes_come_before_prefill_chunks_and_the_budget_is_respected():
@@ -197,7 +197,7 @@ def test_a_sequence_that_cannot_fit_beside_scheduled_ones_yields_itself():
     # a goes first (decode) and takes the free block; b, the newest, yields itself
     assert plan(out) == [("a", 1)]
     assert [s.request_id for s in out.preempted] == ["b"]
-    assert sched.allocator.num_used == 2
+    assert sched.allocator.num_free == sched.allocator.num_blocks - 2
 
 
 def test_finish_frees_blocks_of_running_and_waiting_sequences():
@@ -206,9 +206,9 @@ def test_finish_frees_blocks_of_running_and_waiting_sequences():
     sched.add(a)
     sched.add(b)
     run(sched.schedule())
-    assert sched.allocator.num_used == 2
+    assert sched.allocator.num_free == sched.allocator.num_blocks - 2
     sched.finish(b, "abort")  # still waiting
     sched.finish(a, "abort")  # running
-    assert sched.allocator.num_used == 0
+    assert sched.allocator.num_free == sched.allocator.num_blocks
     assert not sched.has_work
     assert a.finish_reason == b.finish_reason == "abort"

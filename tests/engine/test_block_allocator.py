@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from pdserve.engine.block_allocator import BlockAllocator, BlockTable, OutOfBlocks
+from pdserve.engine.block_allocator import BlockAllocator, BlockTable, OutOfBlocks, slot_ids
 
 BLOCK_SIZE = 4
 
@@ -20,8 +20,7 @@ def check_invariants(alloc: BlockAllocator, tables: list[BlockTable]) -> None:
     held = Counter(b for t in tables for b in t.blocks)
     free = list(alloc._free)
     assert len(free) == len(set(free)), "a block is on the free list twice"
-    assert alloc.num_free + alloc.num_used == alloc.num_blocks
-    assert alloc.num_used == len(held), "used blocks != blocks some table holds"
+    assert alloc.num_blocks - alloc.num_free == len(held), "used blocks != blocks some table holds"
     for b in range(alloc.num_blocks):
         assert alloc.ref_count(b) == held[b], f"block {b}: refcount {alloc.ref_count(b)}, held by {held[b]}"
         assert (b in held) != (b in free), f"block {b} is both free and held, or neither"
@@ -85,7 +84,7 @@ def test_random_operations_keep_invariants():
     for t in tables:
         t.release(alloc)
     check_invariants(alloc, [])
-    assert alloc.num_used == 0 and alloc.num_free == 64
+    assert alloc.num_free == alloc.num_blocks == 64
 
 
 def test_exhaustion_raises_and_allocates_nothing():
@@ -144,9 +143,9 @@ def test_shared_blocks_return_only_when_the_last_holder_frees():
     b = a.fork(alloc)
     assert b.blocks == a.blocks and all(alloc.ref_count(x) == 2 for x in a.blocks)
     a.release(alloc)
-    assert a.blocks == [] and alloc.num_used == 2
+    assert a.blocks == [] and alloc.num_free == alloc.num_blocks - 2
     b.release(alloc)
-    assert alloc.num_used == 0
+    assert alloc.num_free == alloc.num_blocks
 
 
 def test_copy_on_write_of_a_shared_partial_last_block():
@@ -195,9 +194,9 @@ def test_copy_on_write_when_blocks_were_reserved_ahead():
 
 
 def test_slots_map_positions_through_the_table():
-    t = BlockTable(BLOCK_SIZE, blocks=[5, 2, 7])
-    assert t.slots(0, 3) == [20, 21, 22]
-    assert t.slots(3, 9) == [23, 8, 9, 10, 11, 28]
+    blocks = [5, 2, 7]
+    assert slot_ids(blocks, BLOCK_SIZE, 0, 3) == [20, 21, 22]
+    assert slot_ids(blocks, BLOCK_SIZE, 3, 9) == [23, 8, 9, 10, 11, 28]
 
 
 def test_blocks_needed():

@@ -66,11 +66,11 @@ def test_forked_sequences_share_a_prefix_and_copy_on_write(tiny_model, random_pr
     a = table_for(runner, len(prompt))
     runner.execute([BatchItem(prompt, 0, a.blocks, sample=False)])
     b = a.fork(runner.allocator)
-    used_before = runner.allocator.num_used
+    free_before = runner.allocator.num_free
     xa, xb = random_prompts([2], seed=32)[0]
     cont_a = greedy_decode(runner, a, xa, len(prompt), 8)
     cont_b = greedy_decode(runner, b, xb, len(prompt), 8)
-    assert runner.allocator.num_used > used_before  # the copy and the new blocks
+    assert runner.allocator.num_free < free_before  # the copy and the new blocks
     assert a.blocks[:2] == b.blocks[:2] and a.blocks[2] != b.blocks[2]  # full blocks still shared
     fresh = tiny.runner(num_blocks=64, block_size=4)
     for x, cont in ((xa, cont_a), (xb, cont_b)):
@@ -79,7 +79,7 @@ def test_forked_sequences_share_a_prefix_and_copy_on_write(tiny_model, random_pr
         assert greedy_decode(fresh, t, x, len(prompt), 8) == cont
     a.release(runner.allocator)
     b.release(runner.allocator)
-    assert runner.allocator.num_used == 0
+    assert runner.allocator.num_free == runner.allocator.num_blocks
 
 
 def test_generation_stops_at_max_model_len(tiny_model, random_prompts):
