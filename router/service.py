@@ -22,14 +22,8 @@ from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.metrics import RequestObserver, RouterMetrics
 from pdserve.router.preprocess import InvalidRequest, Preprocessor
 from pdserve.router.stop import StopStringMatcher
-from pdserve.router.worker_pool import (
-    NoWorkers,
-    Overloaded,
-    PrefillFailed,
-    WorkerDied,
-    WorkerPool,
-    WorkerRejected,
-)
+from pdserve.router.errors import NoWorkers, Overloaded, PrefillFailed, WorkerDied, WorkerRejected
+from pdserve.router.worker_pool import WorkerPool
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 

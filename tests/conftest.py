@@ -41,3 +41,24 @@ def tiny_servable_model(tmp_path_factory, default_model_dir) -> Path:
         if (default_model_dir / name).exists():
             shutil.copy(default_model_dir / name, path / name)
     return path
+
+
+def poll_until(condition, timeout: float = 10.0, interval: float = 0.02, what: str = "the condition"):
+    """Return ``condition()``'s first truthy value, polling it until ``timeout`` seconds pass
+    (then ``AssertionError`` naming ``what``). Tests wait on a condition, never on a guess."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def wait_until():
+    """``wait_until(condition, timeout=10, what=...)``: see ``poll_until``."""
+    return poll_until

@@ -245,6 +245,10 @@ class Cluster:
     def decode_events(self) -> list[tuple[str, str]]:
         return ray.get(self.decode.log.remote())
 
+    def prefill_received(self, i: int) -> int:
+        """How many requests the i-th prefill worker has received."""
+        return len(ray.get(self.prefill[i].log.remote())[0])
+
     def wait_all_blocks_free(self, timeout: float = 10.0) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -350,12 +354,11 @@ def test_a_failing_prefill_gives_internal_and_frees_the_reservation(cluster_fact
     c.wait_all_blocks_free()
 
 
-def test_a_dead_prefill_worker_is_replaced_transparently(cluster_factory):
+def test_a_dead_prefill_worker_is_replaced_transparently(cluster_factory, wait_until):
     c = cluster_factory({"a": "hang", "x": "ok"})  # "a" is chosen first (ties break by name)
     stream = c.client.generate(token_ids=[30, 31, 32], max_tokens=3)
     it = iter(stream)
-    time.sleep(0.5)
-    assert len(ray.get(c.prefill[0].log.remote())[0]) == 1  # the hanging worker has it
+    wait_until(lambda: c.prefill_received(0) == 1, what="the hanging worker getting the request")
     ray.kill(c.prefill[0])
     chunks = list(it)
     assert [t for ch in chunks for t in ch.token_ids] == [30, 31, 32]
@@ -368,12 +371,12 @@ def test_a_dead_prefill_worker_is_replaced_transparently(cluster_factory):
     c.wait_all_blocks_free()
 
 
-def test_no_prefill_worker_left_gives_unavailable(cluster_factory):
+def test_no_prefill_worker_left_gives_unavailable(cluster_factory, wait_until):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     c = cluster_factory({"b": "hang"})
     it = iter(c.client.generate(token_ids=[50, 51], max_tokens=3))
-    time.sleep(0.5)
+    wait_until(lambda: c.prefill_received(0) == 1, what="the hanging worker getting the request")
     ray.kill(c.prefill[0])
     with pytest.raises(RequestError) as err:
         list(it)
@@ -414,17 +417,18 @@ def test_a_transfer_cut_by_a_dying_prefill_worker_gives_unavailable(cluster_fact
     c.wait_all_blocks_free()
 
 
-def test_cancel_during_prefill_aborts_on_both_workers(cluster_factory):
+def test_cancel_during_prefill_aborts_on_both_workers(cluster_factory, wait_until):
     c = cluster_factory({"x": "hang"})
     stream = c.client.generate(token_ids=[60, 61], max_tokens=3)
     it = iter(stream)
-    time.sleep(0.5)
+    wait_until(lambda: c.prefill_received(0) == 1, what="the hanging worker getting the request")
     stream.cancel()
     with pytest.raises(RequestError) as err:
         list(it)
     assert err.value.code == grpc.StatusCode.CANCELLED
     c.wait_all_blocks_free()
-    received, aborted = ray.get(c.prefill[0].log.remote())
+    received, aborted = wait_until(lambda: (log := ray.get(c.prefill[0].log.remote()))[1] and log,
+                                   what="the prefill worker's abort")
     assert aborted == received and len(received) == 1
     assert [k for k, _ in c.decode_events()] == ["reserve", "abort"]
 
