@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from pdserve.bench.common import Table, median_seconds
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.linear import PackedWeight
 from pdserve.engine.memory import describe_peak, peak_memory_bytes
@@ -26,13 +27,7 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
     with torch's current threads (the caller sets the same threads as the engine's)."""
     a = torch.ones(nbytes // 4)
     b = torch.empty_like(a)
-    b.copy_(a)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        b.copy_(a)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
+    return nbytes / median_seconds(lambda: b.copy_(a), repeats)
 
 
 def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
@@ -42,13 +37,7 @@ def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 10) -> float:
     second) is below the rate at which memory can be read, and a bound from it is a lenient one.
     This figure is printed next to it for that reason."""
     a = torch.ones(nbytes // 4)
-    a.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a.sum()
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
+    return nbytes / median_seconds(a.sum, repeats)
 
 
 def weight_bytes_per_step(runner: ModelRunner) -> int:
@@ -174,15 +163,16 @@ def measure(model: str = "default", threads: int = 2, rounds: int = 3, decode_pr
 
 def format_table(r: dict) -> str:
     d, b = r["decode"], r["bandwidth_bound"]
+    table = Table([34, 12, 12, 9])
     lines = [
         f"model {r['model']}, {r['threads']} threads, median of {r['rounds']} rounds",
-        f"{'measure':<34}{'pdserve':>12}{'HF':>12}{'ratio':>9}",
-        f"{'decode tok/s (prompt %d, %d new)' % (d['prompt_tokens'], d['new_tokens']):<34}"
-        f"{d['pdserve_tokens_per_s']:>12.2f}{d['hf_tokens_per_s']:>12.2f}{d['ratio']:>9.3f}",
+        table.row("measure", "pdserve", "HF", "ratio"),
+        table.row(f"decode tok/s (prompt {d['prompt_tokens']}, {d['new_tokens']} new)",
+                  f"{d['pdserve_tokens_per_s']:.2f}", f"{d['hf_tokens_per_s']:.2f}", f"{d['ratio']:.3f}"),
     ]
     for n, p in r["prefill"].items():
-        lines.append(f"{'prefill tok/s (%s tokens)' % n:<34}{p['pdserve_tokens_per_s']:>12.1f}"
-                     f"{p['hf_tokens_per_s']:>12.1f}{p['ratio']:>9.3f}")
+        lines.append(table.row(f"prefill tok/s ({n} tokens)", f"{p['pdserve_tokens_per_s']:.1f}",
+                               f"{p['hf_tokens_per_s']:.1f}", f"{p['ratio']:.3f}"))
     lines.append(
         f"bandwidth bound: {b['weight_bytes_per_step'] / 1e6:.0f} MB of weights per step / "
         f"{b['copy_bandwidth_gb_per_s']:.2f} GB/s copy = {b['bound_tokens_per_s']:.2f} tok/s; "

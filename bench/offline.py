@@ -28,16 +28,15 @@ before and one after the runs).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
-import statistics
 import time
 
 import torch
 
+from pdserve.bench.common import Table, local_ray, machine, max_positions, median_seconds, now
+from pdserve.cli import parse_size
 from pdserve.engine.memory import describe_peak, peak_memory_bytes
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048  # the scheduler's token budget for this offline run (see above)
@@ -59,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"scheduler: token budget per step (default {OFFLINE_MAX_NUM_BATCHED_TOKENS}, an offline "
                         "budget; `pdserve serve` uses the worker's 512)")
-    p.add_argument("--kv-memory", default=None, metavar="SIZE",
+    p.add_argument("--kv-memory", type=parse_size, default=None, metavar="SIZE",
                    help="KV pool size, e.g. 1GiB (default: exactly what the workload needs)")
     p.add_argument("--quick", action="store_true",
                    help="a few short requests: a smoke test of the benchmark itself, not a measurement")
@@ -91,16 +90,6 @@ def make_workload(num_requests: int, vocab_size: int, seed: int, prompt_len: tup
     return work
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def matmul_rates(n: int, repeats: int = 5) -> dict[str, float]:
     """FLOP/s of an ``n x n @ n x n`` float32 matmul with torch's current threads (median), by each
     library torch can run it with here: ``torch.matmul`` (torch's BLAS: MKL in the PyPI wheels), and
@@ -111,10 +100,10 @@ def matmul_rates(n: int, repeats: int = 5) -> dict[str, float]:
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    rates = {"torch.matmul": 2 * n**3 / _median_seconds(lambda: torch.matmul(a, b, out=out), repeats)}
+    rates = {"torch.matmul": 2 * n**3 / median_seconds(lambda: torch.matmul(a, b, out=out), repeats)}
     if linear._onednn_ok():
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
-        rates["oneDNN"] = 2 * n**3 / _median_seconds(
+        rates["oneDNN"] = 2 * n**3 / median_seconds(
             lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats)
     return rates
 
@@ -229,20 +218,11 @@ def run_hf(hf_model, work: list[tuple[list[int], int]], batch_size: int, pad_id:
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
-
-
 def run_bench(model: str = "default", threads: int = 2, num_requests: int | None = None, seed: int = 0,
               hf_batch_size: int | None = None, quick: bool = False, max_num_seqs: int | None = None,
-              max_num_batched_tokens: int | None = None, kv_memory: str | None = None) -> dict:
-    import ray
+              max_num_batched_tokens: int | None = None, kv_memory: int | None = None) -> dict:
+    """Run both sides on one workload and return every figure; ``kv_memory``: the KV pool's bytes
+    (default: exactly what the workload needs)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -256,31 +236,20 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
     work = make_workload(num_requests, cfg.vocab_size, seed, shape["prompt_len"], shape["output_len"])
-    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    limit = max_positions(cfg)
     if limit and shape["prompt_len"][1] + shape["output_len"][1] > limit:
         raise SystemExit(f"pdserve: error: the workload needs {shape['prompt_len'][1] + shape['output_len'][1]} "
                          f"positions; the model has {limit}")
 
-    kv_bytes = num_blocks = None
+    kv_bytes, num_blocks = kv_memory, None
     block_size = 16
-    if kv_memory is not None:
-        from pdserve.cli import parse_size
-
-        kv_bytes = parse_size(kv_memory)
-    else:  # the whole workload at once: no request ever waits for memory
+    if kv_memory is None:  # the whole workload at once: no request ever waits for memory
         num_blocks = sum(-(-(len(p) + n) // block_size) for p, n in work)
 
     rates = [matmul_rates(shape["matmul_size"])]  # again at the end: the bound is the best rate
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(address="local", num_cpus=max(2, threads), include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    try:
+    with local_ray(num_cpus=max(2, threads)):
         ours = run_pdserve(str(model_dir), threads, work, num_blocks, kv_bytes, max_num_seqs,
                            max_num_batched_tokens)
-    finally:
-        if started_ray:
-            ray.shutdown()
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     pad = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
@@ -307,8 +276,8 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
     identical = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"]))
     return {
         "benchmark": "offline",
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "date": now(),
+        "machine": machine(),
         "model": model if model != str(model_dir) else model_dir.name,
         "threads": threads,
         "quick": quick,
@@ -363,19 +332,20 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
 
 def format_table(r: dict) -> str:
     w, o, h, b = r["workload"], r["pdserve"], r["hf"], r["compute_bound"]
+    table = Table([38, 9, 14, 13])
     lines = [
         f"pdserve bench offline{' --quick' if r['quick'] else ''}: {r['date']}, {r['machine']}",
         f"model {r['model']}, {r['threads']} threads; {w['num_requests']} requests (seed {w['seed']}), "
         f"prompts {w['prompt_len_range'][0]}-{w['prompt_len_range'][1]} tokens ({w['prompt_tokens']} in all), "
         f"outputs {w['output_len_range'][0]}-{w['output_len_range'][1]} ({w['output_tokens']}), greedy, EOS ignored",
         "",
-        f"{'':<38}{'wall s':>9}{'output tok/s':>14}{'total tok/s':>13}",
-        f"{'pdserve, 1 colocated actor':<38}{o['wall_s']:>9.2f}{o['output_tokens_per_s']:>14.1f}"
-        f"{o['total_tokens_per_s']:>13.1f}",
-        f"{'HF generate, static batches of %d' % h['batch_size']:<38}{h['wall_s']:>9.2f}"
-        f"{h['output_tokens_per_s']:>14.1f}{h['total_tokens_per_s']:>13.1f}",
-        f"{'ratio (pdserve / HF)':<38}{'':>9}{r['ratio']['output_tokens_per_s']:>14.2f}"
-        f"{r['ratio']['total_tokens_per_s']:>13.2f}",
+        table.row("", "wall s", "output tok/s", "total tok/s"),
+        table.row("pdserve, 1 colocated actor", f"{o['wall_s']:.2f}", f"{o['output_tokens_per_s']:.1f}",
+                  f"{o['total_tokens_per_s']:.1f}"),
+        table.row(f"HF generate, static batches of {h['batch_size']}", f"{h['wall_s']:.2f}",
+                  f"{h['output_tokens_per_s']:.1f}", f"{h['total_tokens_per_s']:.1f}"),
+        table.row("ratio (pdserve / HF)", "", f"{r['ratio']['output_tokens_per_s']:.2f}",
+                  f"{r['ratio']['total_tokens_per_s']:.2f}"),
         "",
         f"compute bound: {b['matmul_gflops_per_s']:.1f} GFLOP/s (the best {b['matmul_size']}^3 float32 matmul: "
         + ", ".join(f"{lib} {x:.1f}" for lib, x in b["matmul_gflops_per_s_by_library"].items()) + "); "

@@ -24,8 +24,8 @@ COMMANDS: list[tuple[str, str, str]] = [
 
 # (name, module, help) of `pdserve bench NAME` commands.
 BENCH_COMMANDS: list[tuple[str, str, str]] = [
-    ("engine", "pdserve.engine.bench", "engine vs Hugging Face generate(): decode and prefill tokens/s"),
-    ("offline", "pdserve.decode_worker.bench", "offline throughput: continuous batching vs HF static batches"),
+    ("engine", "pdserve.bench.engine", "engine vs Hugging Face generate(): decode and prefill tokens/s"),
+    ("offline", "pdserve.bench.offline", "offline throughput: continuous batching vs HF static batches"),
     ("transfer", "pdserve.kv_transfer.bench", "KV transfer MB/s vs raw TCP, and TTFT disaggregated vs colocated"),
 ]
 

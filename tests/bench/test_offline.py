@@ -7,8 +7,8 @@ import json
 from pdserve.cli import main
 
 
-def test_bench_offline_quick_reports_every_figure(ray_cluster, actors, tiny, one_thread, capsys):
-    code = main(["bench", "offline", "--quick", "--json", "--model", str(tiny.path), "--threads", "1",
+def test_bench_offline_quick_reports_every_figure(ray_cluster, tiny_llama, one_thread, capsys):
+    code = main(["bench", "offline", "--quick", "--json", "--model", str(tiny_llama), "--threads", "1",
                  "--num-requests", "6", "--seed", "3"])
     assert code == 0
     r = json.loads(capsys.readouterr().out)
@@ -27,7 +27,7 @@ def test_bench_offline_quick_reports_every_figure(ray_cluster, actors, tiny, one
         assert o[phase]["fraction_of_compute_bound"] > 0
     assert 0 < o["next_outputs_calls"] <= o["num_steps"]
     # the offline token budget unless one is given (the server's default is smaller)
-    from pdserve.decode_worker.bench import OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from pdserve.bench.offline import OFFLINE_MAX_NUM_BATCHED_TOKENS
     from pdserve.decode_worker.scheduler import SchedulerConfig
     assert o["max_num_batched_tokens"] == OFFLINE_MAX_NUM_BATCHED_TOKENS > SchedulerConfig().max_num_batched_tokens
     b = r["compute_bound"]

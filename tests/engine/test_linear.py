@@ -131,35 +131,3 @@ def test_llama_weights_are_packed_and_forward_matches_unpacked(backend, monkeypa
     else:
         assert torch.allclose(packed.logits(hidden), plain.logits(hidden), rtol=1e-5, atol=1e-5)
     assert torch.equal(packed.logits(hidden[:1]), plain.logits(hidden[:1]))
-
-
-def test_bench_counts_a_packed_weight_once(monkeypatch):
-    """``bench engine``'s bandwidth bound: the weight bytes a decode step reads are the same
-    whether the weights are packed or not (a step reads one of the two copies)."""
-    from types import SimpleNamespace
-
-    from transformers import GPT2Config
-
-    from pdserve.engine.bench import weight_bytes_per_step
-    from pdserve.engine.models.gpt2 import GPT2Model
-
-    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
-    g = torch.Generator().manual_seed(1)
-    state = {"wte.weight": torch.randn(64, 32, generator=g), "wpe.weight": torch.randn(32, 32, generator=g),
-             "ln_f.weight": torch.ones(32), "ln_f.bias": torch.zeros(32)}
-    for i in range(2):
-        p = f"h.{i}."
-        for name, shape in (("ln_1.weight", (32,)), ("ln_1.bias", (32,)), ("ln_2.weight", (32,)), ("ln_2.bias", (32,)),
-                            ("attn.c_attn.weight", (32, 96)), ("attn.c_attn.bias", (96,)),
-                            ("attn.c_proj.weight", (32, 32)), ("attn.c_proj.bias", (32,)),
-                            ("mlp.c_fc.weight", (32, 128)), ("mlp.c_fc.bias", (128,)),
-                            ("mlp.c_proj.weight", (128, 32)), ("mlp.c_proj.bias", (32,))):
-            state[p + name] = torch.randn(shape, generator=g)
-    packed = GPT2Model(cfg, state, torch.float32, "cpu", 32)
-    monkeypatch.setattr(lin, "_DISABLED", True)
-    plain = GPT2Model(cfg, state, torch.float32, "cpu", 32)
-    assert isinstance(packed.layers[0].wfc, lin.PackedWeight) and isinstance(plain.layers[0].wfc, torch.Tensor)
-    per_layer = (32 * 96 + 96 + 32 * 32 + 32 + 32 * 128 + 128 + 128 * 32 + 32 + 4 * 32) * 4
-    want = 2 * per_layer + (64 * 32 + 2 * 32) * 4  # layers, the output head, the final norm
-    assert weight_bytes_per_step(SimpleNamespace(model=packed)) == want
-    assert weight_bytes_per_step(SimpleNamespace(model=plain)) == want

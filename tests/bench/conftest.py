@@ -1,0 +1,57 @@
+"""Fixtures of the benchmark tests: a tiny random Llama and a local Ray.
+
+The benchmarks run here in their quick modes, as smoke tests of the commands themselves, not as
+measurements. The tiny model's large ``initializer_range`` makes its logits peaked, so that greedy
+argmax does not flip on float rounding (the offline benchmark compares outputs with HF's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A 2-layer random Llama (2 KV heads of 16, vocabulary 384) saved as a Hugging Face directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norm weights are ones after init: perturb them so they matter
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("bench-tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run on one torch thread: two threads on a busy two-core machine mostly wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray with two CPUs for the session (reused when another fixture started one); the
+    benchmarks use it rather than start their own, and must leave it running."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    if started:
+        ray.shutdown()
