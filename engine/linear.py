@@ -4,14 +4,13 @@ On CPU in float32, a weight is packed once at load time into a GEMM library's ow
 multiplied from there (the ops ``torch.compile``'s CPU backend uses for packed linears). A plain
 ``x @ w`` makes MKL re-pack the weight on every call: with few rows (a decode step of a handful of
 sequences) that re-packing reads and writes every weight once more, and it costs more than the
-multiplication itself. Measured with MKL on the default model's 30 layers, two threads: 27.4 ->
-20.3 ms at 4 rows, 35.7 -> 24.4 ms at 8, 38.2 -> 31.1 ms at 21, 43.7 -> 40.0 ms at 40.
+multiplication itself. Packing once removes that cost from every step (by how much, per row
+count: ``pdserve bench engine`` and BENCHMARKS.md).
 
 The packed layout does not depend on the number of rows (it is packed for one row count and
 passed the actual one at each call). With one row ``x @ w`` takes MKL's matrix-vector path, which
-is faster than the packed kernel (14.6 against 16.1 ms for the 30 layers), so single-row products
-keep the plain weight: a packed weight holds both, about twice the weight memory
-(``PDSERVE_PACKED_WEIGHTS=0`` turns packing off).
+is faster than the packed kernel, so single-row products keep the plain weight: a packed weight
+holds both, about twice the weight memory (``PDSERVE_PACKED_WEIGHTS=0`` turns packing off).
 
 Weights whose values are GGUF's quantized groups (the default model's projections are ``Q4_1``,
 its output head ``Q8_0``) keep that form instead of the plain copy (``engine/quantized.py``), and
@@ -24,8 +23,8 @@ Two GEMM libraries can hold the packed copy; ``PDSERVE_GEMM`` picks one (default
 - ``onednn``: oneDNN's float32 inner product (``torch.ops.mkldnn._reorder_linear_weight`` and
   ``_linear_pointwise``).
   oneDNN compiles its kernels for the instruction set it finds at run time, whoever made the CPU.
-  On a 2-core AMD EPYC (Zen 5, AVX-512) it multiplies the default model's shapes at 500-560
-  GFLOP/s where MKL reaches 175-235 (MKL takes a slower path on non-Intel CPUs); see BENCHMARKS.md.
+  On AMD processors it multiplies the default model's shapes much faster than MKL, which takes a
+  slower path on non-Intel CPUs (figures in BENCHMARKS.md).
   Its sums are float32 in another order than MKL's: results agree with ``x @ w`` to rounding
   (tests check the error against a float64 product is within twice MKL's).
 - ``mkl``: MKL's packed GEMM, bit-identical to ``x @ w`` for two rows and more (tested).
@@ -91,7 +90,7 @@ class PackedWeight:
         if self.backend not in BACKENDS:
             raise ValueError(f"no GEMM library to pack for (backend {self.backend!r})")
         self.quant = quantized.pack(w_in_out) if quantized.kernel() is not None else None
-        self.t = w_in_out if self.quant is None else None  # with it, single rows go there: 0.5 GB less
+        self.t = w_in_out if self.quant is None else None  # with it, single rows go there: no float32 copy
         out_in = w_in_out.t().contiguous()
         if self.backend == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(out_in, _PACK_ROWS_HINT)

@@ -123,8 +123,8 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefill_runs: list[tuple[int, int, int, list[int]]] = []
         last_index: dict[int, int] = {}
-        # A single decoding sequence gathers its (unpadded) context and uses SDPA: measured ~1 ms per
-        # step faster than the kernel at batch 1; from two sequences on the kernel wins.
+        # A single decoding sequence gathers its (unpadded) context and uses SDPA, which beats the
+        # kernel at batch 1; from two sequences on the kernel wins (bench engine, BENCHMARKS.md).
         use_kernel = self.paged_decode and sum(len(it.token_ids) == 1 for it in items) > 1
         for i in order:
             it = items[i]

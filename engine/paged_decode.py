@@ -77,8 +77,8 @@ if numba is not None:
     def _row_and_prefetch(rows, table, pos, block_size, kvh, last_blk):  # pragma: no cover - compiled
         # The first of position ``pos``'s KV rows; and, since blocks lie anywhere in the pool so the
         # hardware prefetcher cannot follow a sequence from block to block, a hint to load the same
-        # token of the next block ahead (one per 64-byte line, 16 float32). Measured on the 2-core
-        # host: a decode step of the default model at batch 64, 237 -> 216 ms.
+        # token of the next block ahead (one per 64-byte line, 16 float32), so that the next block's
+        # rows are on their way while this one is summed (its effect on a decode step: BENCHMARKS.md).
         j = pos // block_size
         if j < last_blk:
             nrow = (table[j + 1] * block_size + pos % block_size) * kvh
@@ -95,7 +95,8 @@ if numba is not None:
         # degree-7 polynomial (Cephes' expf coefficients), and 2**k built from its exponent bits
         # in ``bits`` (int32 scratch). Relative error at most 3e-7 (a few ulp) on [-87, 0],
         # measured against float64 (tests); below -87 the result is exp(-87), under 2e-38.
-        # The attention kernel of 30 layers at 28 sequences x 400 tokens: 34.2 -> 31.3 ms.
+        # Every score of every step goes through here, so a scalar call per element shows in the
+        # whole kernel's time (before and after: BENCHMARKS.md).
         for t in range(n):
             x = max(row[t] - m, np.float32(-87.0))
             k = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))

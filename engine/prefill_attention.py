@@ -2,12 +2,11 @@
 
 torch's ``scaled_dot_product_attention`` on CPU runs its flash-attention loop over small matrix
 products by the BLAS torch was built with (MKL in the PyPI wheels). Where that BLAS runs well
-below the CPU's rate (MKL on AMD processors), attention becomes the larger part of a long prompt:
-on the 2-core AMD EPYC of BENCHMARKS.md (session 11), a 2048-token prompt of the default model
-spent about 1.0 s of its 2.2 s prefill in SDPA (145 GFLOP/s, counting the causal half). This kernel
-computes the same thing (flash-attention style: online softmax over blocks of 16 keys, the scores
-of 16 query rows in vector registers, grouped-query heads reading their shared key/value head)
-with AVX-512 instructions and OpenMP threads.
+below the CPU's rate (MKL on AMD processors), attention becomes a large part of a long prompt's
+prefill (the figures for the default model are in BENCHMARKS.md). This kernel computes the same
+thing (flash-attention style: online softmax over blocks of 16 keys, the scores of 16 query rows
+in vector registers, grouped-query heads reading their shared key/value head) with AVX-512
+instructions and OpenMP threads.
 
 It takes a chunk's queries ``[Lq, H, D]`` and the keys and values it attends to ``[Lk, KVH, D]``
 (``Lk >= Lq``: the chunk's own, after the earlier context of its sequence), causal: query ``i`` sees

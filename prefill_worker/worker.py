@@ -45,10 +45,9 @@ class PrefillConfig:
     # When a chunk's KV leaves: "chunk" (its pieces go once the chunk is computed, overlapping the
     # next chunk's compute; a prompt's last chunk leaves after token #1 is handed over) or "layer"
     # (pieces go as their layers are computed, overlapping the chunk's own compute). On CPU the
-    # push competes with the compute for the same cores: alternated runs of `pdserve bench
-    # transfer` (two-core host) gave a TTFT overhead of -7.5..-0.4% (512 tokens) and 0.3..2.3%
-    # (2048) with "chunk", 3.6..6.2% and 3.8..5.0% with "layer", and the decode side held the whole
-    # KV sooner too (0.69 against 0.71-0.73 s at 512 tokens).
+    # push competes with the compute for the same cores: in alternated runs of `pdserve bench
+    # transfer`, "chunk" added less to TTFT than "layer" and the decode side held the whole KV
+    # sooner too, hence the default (figures in BENCHMARKS.md).
     kv_push: str = "chunk"
 
     def __post_init__(self) -> None:
