@@ -10,7 +10,6 @@ Modules:
 - ``grpc_transport``: KV over a gRPC client stream, the data inside the frames.
 - ``collective_transport``: control over that gRPC stream, data over a torch process group
   (NCCL on CUDA, gloo on CPU).
-- ``bench``: ``pdserve bench transfer``, the transports against raw TCP.
 """
 
 from pdserve.kv_transfer.base import (

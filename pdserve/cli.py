@@ -26,7 +26,7 @@ COMMANDS: list[tuple[str, str, str]] = [
 BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("engine", "pdserve.bench.engine", "engine vs Hugging Face generate(): decode and prefill tokens/s"),
     ("offline", "pdserve.bench.offline", "offline throughput: continuous batching vs HF static batches"),
-    ("transfer", "pdserve.kv_transfer.bench", "KV transfer MB/s vs raw TCP, and TTFT disaggregated vs colocated"),
+    ("transfer", "pdserve.bench.transfer", "KV transfer MB/s vs raw TCP, and TTFT disaggregated vs colocated"),
 ]
 
 DEFAULT_PORT = 50051

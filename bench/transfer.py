@@ -40,7 +40,6 @@ import concurrent.futures
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import struct
@@ -49,6 +48,7 @@ import time
 
 import torch
 
+from pdserve.bench.common import Table, local_ray, machine, max_positions, now
 from pdserve.engine.memory import describe_peak
 from pdserve.kv_transfer import TRANSPORTS, make_sender, start_receiver
 from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES
@@ -59,9 +59,8 @@ from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES
 FULL = dict(prompt_tokens=(512, 2048), rounds=9, warmup_s=1.0)
 # ``warmup_s``: untimed pushes before the timed ones, per transport and size, for at least this
 # long. The first second or so of a fresh pair of actors is slower for every transport (Ray is
-# still settling, the connections' flow-control windows grow): with one warm-up push, the first
-# timed gRPC pushes of a 512-token prompt took 2-5x the steady state, so the ratio measured
-# start-up, not the transport.
+# still settling, the connections' flow-control windows grow): with a single warm-up push the
+# ratio measured start-up, not the transport (BENCHMARKS.md, "tried and not kept").
 QUICK = dict(prompt_tokens=(32, 64), rounds=2, warmup_s=0.1)
 
 
@@ -71,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each engine actor (default 2)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="pushes per prompt size, and TTFT prompts per length (default 5; 2 with --quick)")
+                   help=f"pushes per prompt size, and TTFT prompts per length (default {FULL['rounds']}; "
+                        f"{QUICK['rounds']} with --quick)")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=None, metavar="N",
                    help="prompt lengths (default 512 2048; 32 64 with --quick)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), metavar="NAMES",
@@ -566,22 +566,12 @@ def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[i
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
-
-
 def run_bench(model: str = "default", threads: int = 2, rounds: int | None = None,
               prompt_tokens: list[int] | None = None, transports: list[str] | None = None,
               frame_bytes: int = DEFAULT_FRAME_BYTES, ttft: bool = True, quick: bool = False,
               kv_push: str | None = None) -> dict:
-    import ray
-
+    """Measure the transfer (and, with ``ttft``, the TTFT) on a fresh local Ray, or on the one this
+    process runs; return every figure."""
     from pdserve.engine.model_loader import load_config, resolve_model_dir
 
     shape = QUICK if quick else FULL
@@ -591,26 +581,19 @@ def run_bench(model: str = "default", threads: int = 2, rounds: int | None = Non
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
     geo = kv_geometry(cfg)
-    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    limit = max_positions(cfg)
     if limit and max(prompt_tokens) + 1 > limit:
         raise SystemExit(f"pdserve: error: a {max(prompt_tokens)}-token prompt does not fit the model's {limit} positions")
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
-    try:
+    with local_ray(num_cpus=max(2, os.cpu_count() or 2)) as ray:
         transfer_rows = measure_transfer(ray, geo, prompt_tokens, transports, rounds, frame_bytes, shape["warmup_s"])
         peaks: dict = {}
         ttft_rows = (measure_ttft(ray, str(model_dir), threads, geo, prompt_tokens, rounds, cfg.vocab_size, peaks,
                                   kv_push) if ttft else [])
-    finally:
-        if started_ray:
-            ray.shutdown()
     return {
         "bench": "transfer",
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "date": now(),
+        "machine": machine(),
         "model": model_dir.name,
         "threads": threads,
         "rounds": rounds,
@@ -633,16 +616,18 @@ def _default_kv_push() -> str:
 
 def format_table(r: dict) -> str:
     g = r["kv_geometry"]
+    push = Table([30, 8, 9, 8, 10, 14, 8])
     lines = [
         f"pdserve bench transfer: model {r['model']} ({g['num_layers']} layers x {g['num_kv_heads']} KV heads x "
         f"{g['head_dim']}, {g['dtype']}, {g['bytes_per_token']} KV bytes per token), median of {r['rounds']} rounds",
         f"{r['date']}, {r['machine']}",
         "",
-        f"{'KV push between two actors':<30}{'prompt':>8}{'MB':>9}{'pieces':>8}{'MB/s':>10}{'raw TCP MB/s':>14}{'ratio':>8}",
+        push.row("KV push between two actors", "prompt", "MB", "pieces", "MB/s", "raw TCP MB/s", "ratio"),
     ]
     for row in r["transfer"]:
-        lines.append(f"{row['transport']:<30}{row['prompt_tokens']:>8}{row['bytes'] / 1e6:>9.1f}{row['pieces']:>8}"
-                     f"{row['mb_per_s']:>10.1f}{row['raw_tcp_mb_per_s']:>14.1f}{row['ratio_to_raw_tcp']:>8.3f}")
+        lines.append(push.row(row["transport"], str(row["prompt_tokens"]), f"{row['bytes'] / 1e6:.1f}",
+                              str(row["pieces"]), f"{row['mb_per_s']:.1f}", f"{row['raw_tcp_mb_per_s']:.1f}",
+                              f"{row['ratio_to_raw_tcp']:.3f}"))
     if any(row["transport"] == BARE_GRPC for row in r["transfer"]):
         lines.append(f"({BARE_GRPC}: grpcio alone, the same bytes in as many messages, built beforehand and dropped on "
                      "arrival: no checksum, no landing; the ceiling of the grpc transport)")
@@ -651,13 +636,14 @@ def format_table(r: dict) -> str:
                      "beforehand, until a one-byte acknowledgement: no header, checksum or landing; the ceiling "
                      "of the collective transport on CPU)")
     if r["ttft"]:
+        ttft = Table([30, 8, 13, 11, 10, 9, 13])
         lines += ["", f"TTFT, one request at a time (the prefill worker pushes KV by {r['kv_push']})",
-                  f"{'':<30}{'prompt':>8}{'colocated s':>13}{'disagg. s':>11}"
-                  f"{'overhead':>10}{'paired':>9}{'KV stream s':>13}"]
+                  ttft.row("", "prompt", "colocated s", "disagg. s", "overhead", "paired", "KV stream s")]
         for row in r["ttft"]:
-            lines.append(f"{'median of %d prompts' % row['prompts']:<30}{row['prompt_tokens']:>8}"
-                         f"{row['colocated_s']:>13.4f}{row['disaggregated_s']:>11.4f}"
-                         f"{row['overhead_pct']:>9.1f}%{row['paired_overhead_pct']:>8.1f}%{row['kv_stream_s']:>13.4f}")
+            lines.append(ttft.row(f"median of {row['prompts']} prompts", str(row["prompt_tokens"]),
+                                  f"{row['colocated_s']:.4f}", f"{row['disaggregated_s']:.4f}",
+                                  f"{row['overhead_pct']:.1f}%", f"{row['paired_overhead_pct']:.1f}%",
+                                  f"{row['kv_stream_s']:.4f}"))
     if r.get("peak_memory"):
         lines.append("peak memory per actor: " + ", ".join(
             f"{role} {describe_peak(m['bytes'], m['device'])}" for role, m in r["peak_memory"].items()))

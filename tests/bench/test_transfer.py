@@ -9,16 +9,17 @@ from __future__ import annotations
 import json
 
 from pdserve.cli import main
-from pdserve.kv_transfer.bench import BARE_GLOO, BARE_GRPC, TRANSPORTS
+from pdserve.bench.transfer import BARE_GLOO, BARE_GRPC
+from pdserve.kv_transfer import TRANSPORTS
 
 
-def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, capsys):
-    code = main(["bench", "transfer", "--quick", "--json", "--model", str(tiny_llama_dir), "--threads", "1"])
+def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama, capsys):
+    code = main(["bench", "transfer", "--quick", "--json", "--model", str(tiny_llama), "--threads", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
     r = json.loads(out)
     assert r["bench"] == "transfer" and r["quick"] is True and r["rounds"] == 2
-    assert r["date"] and r["machine"] and r["model"] == tiny_llama_dir.name
+    assert r["date"] and r["machine"] and r["model"] == tiny_llama.name
     g = r["kv_geometry"]
     assert (g["num_layers"], g["num_kv_heads"], g["head_dim"], g["block_size"]) == (2, 2, 16, 16)
     assert g["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
@@ -55,7 +56,7 @@ def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama_dir, ca
 def test_bench_transfer_is_registered_in_the_cli():
     from pdserve.cli import BENCH_COMMANDS
 
-    assert ("transfer", "pdserve.kv_transfer.bench") in [(n, m) for n, m, _ in BENCH_COMMANDS]
+    assert ("transfer", "pdserve.bench.transfer") in [(n, m) for n, m, _ in BENCH_COMMANDS]
 
 
 def test_each_ceiling_row_only_beside_its_transport(ray_cluster):
@@ -63,7 +64,7 @@ def test_each_ceiling_row_only_beside_its_transport(ray_cluster):
     transport has its own ceiling row and not the other's, and every row moved the same bytes."""
     import ray
 
-    from pdserve.kv_transfer.bench import measure_transfer
+    from pdserve.bench.transfer import measure_transfer
 
     geo = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16, "dtype": "float32"}
     for transport, ceiling in (("collective", BARE_GLOO), ("grpc", BARE_GRPC)):
