@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from pdserve.cli import main
 from pdserve.bench.transfer import BARE_GLOO, BARE_GRPC
+from pdserve.cli import main
 from pdserve.kv_transfer import TRANSPORTS
 
 
@@ -32,7 +32,11 @@ def test_bench_transfer_quick_prints_every_field(ray_cluster, tiny_llama, capsys
         assert row["bytes"] == -(-n // 16) * 16 * g["bytes_per_token"]
         assert row["pieces"] >= 1 and row["median_s"] > 0
         assert row["mb_per_s"] > 0 and row["raw_tcp_mb_per_s"] > 0
-        assert abs(row["ratio_to_raw_tcp"] - row["mb_per_s"] / row["raw_tcp_mb_per_s"]) < 0.01
+        # The ratio is of the unrounded rates, and both rates are rounded to 0.1 MB/s, a large part
+        # of a slow tiny push: the tolerance is what that rounding can make of their quotient.
+        printed = row["mb_per_s"] / row["raw_tcp_mb_per_s"]
+        rounding = 1.1 * printed * (0.05 / row["mb_per_s"] + 0.05 / row["raw_tcp_mb_per_s"]) + 5e-4
+        assert abs(row["ratio_to_raw_tcp"] - printed) <= rounding
         assert row["warmup_pushes"] >= 1  # at least one untimed push, for at least warmup_s
     assert r["warmup_s"] == 0.1
 
