@@ -8,7 +8,7 @@ Two measurements, on this machine, between Ray actors (so between processes, as 
    model's KV geometry (by default SmolLM2-135M: 30 layers x 3 KV heads x 64, blocks of 16 tokens,
    float32), for a 512- and a 2048-token prompt, ``--rounds`` times each after at least
    ``warmup_s`` (1 s) of untimed pushes; reported: the median MB/s (1 MB = 10^6 bytes) of each transport
-   in ``TRANSPORTS``, against a plain TCP socket copy (``sendall`` / ``recv_into``) of the same
+   in ``kv_transfer.TRANSPORTS``, against a plain TCP socket copy (``sendall`` / ``recv_into``) of the same
    bytes between the same two actors (warmed up alike), and their ratio. Beside each transport,
    one more row per size is the ceiling of the library under it. ``bare-grpcio``: a grpcio
    client stream of the same bytes in as many messages as the transport's frames, built before
@@ -60,7 +60,7 @@ FULL = dict(prompt_tokens=(512, 2048), rounds=9, warmup_s=1.0)
 # ``warmup_s``: untimed pushes before the timed ones, per transport and size, for at least this
 # long. The first second or so of a fresh pair of actors is slower for every transport (Ray is
 # still settling, the connections' flow-control windows grow): with a single warm-up push the
-# ratio measured start-up, not the transport (BENCHMARKS.md, "tried and not kept").
+# ratio measured start-up, not the transport (BENCHMARKS.md, the measurements behind the defaults).
 QUICK = dict(prompt_tokens=(32, 64), rounds=2, warmup_s=0.1)
 
 
