@@ -153,7 +153,7 @@ class DisaggregatedFlow:
             stream.prefill_worker = prefill
             stream.advance(S.PREFILLING)
             prefill.inflight.add(request.request_id)
-            prefill.sent_tokens += len(request.prompt_token_ids)
+            prefill.unseen[request.request_id] = (len(request.prompt_token_ids), 0)
             try:
                 first = await prefill.actor.prefill.remote(request, self._destination(decode.kv_address, blocks))
             except asyncio.CancelledError:
@@ -176,6 +176,7 @@ class DisaggregatedFlow:
                 return
             finally:
                 prefill.inflight.discard(request.request_id)
+                prefill.unseen.pop(request.request_id, None)
 
             # The prefill worker died before answering.
             if stream.state is not S.PREFILLING:

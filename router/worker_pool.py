@@ -53,19 +53,21 @@ class Worker:
     role: str = "colocated"  # "colocated", "decode" or "prefill"
     kv_address: str | None = None  # decode role: where prefill workers push KV
     inflight: set[str] = field(default_factory=set)  # request ids the router has on it
-    sent_tokens: int = 0  # prompt tokens sent since `stats` was taken
-    sent_blocks: int = 0  # KV blocks those requests will need
+    # Requests sent since `stats` was taken, which those stats may not count yet:
+    # request id -> (prompt tokens, KV blocks it will need).
+    unseen: dict[str, tuple[int, int]] = field(default_factory=dict)
     alive: bool = True
     poll_task: asyncio.Task | None = None
     draining: bool = False  # being scaled away: no new requests, running ones finish
 
     def load(self, max_inflight: int) -> WorkerLoad:
+        """The worker's last stats plus the requests sent to it since."""
         s = self.stats
         return WorkerLoad(
             name=self.name,
-            queued_prompt_tokens=s.queued_prompt_tokens + self.sent_tokens,
+            queued_prompt_tokens=s.queued_prompt_tokens + sum(t for t, _ in self.unseen.values()),
             num_running=s.num_running,
-            free_blocks=s.free_blocks - self.sent_blocks,
+            free_blocks=s.free_blocks - sum(b for _, b in self.unseen.values()),
             total_blocks=s.total_blocks,
             block_size=s.block_size,
             inflight=len(self.inflight),
@@ -131,6 +133,7 @@ class WorkerPool:
         await self._join(self._actors, self.polled_role)
         if self._prefill_actors:
             await self._join(self._prefill_actors, "prefill")
+        self._stats_time = time.monotonic()
         self._changed()
 
     async def add_workers(self, actors: list, role: str) -> list[str]:
@@ -171,7 +174,6 @@ class WorkerPool:
                 self._workers.append(w)
                 w.poll_task = asyncio.create_task(self._poll(w), name=f"poll-{w.name}")
             names.append(name)
-        self._stats_time = time.monotonic()
         return names
 
     async def close(self) -> None:
@@ -243,7 +245,7 @@ class WorkerPool:
             if time.monotonic() - self._stats_time < self.stats_ttl_s:
                 return
             alive = [w for w in self._workers + self._prefill if w.alive]
-            sent_before = {w.name: (w.sent_tokens, w.sent_blocks) for w in alive}
+            sent_before = {w.name: list(w.unseen) for w in alive}  # what the new stats will count
             results = await asyncio.gather(
                 *(asyncio.wait_for(awaitable(w.actor.stats.remote()), self.stats_timeout_s) for w in alive),
                 return_exceptions=True,
@@ -255,9 +257,8 @@ class WorkerPool:
                     logger.warning("stats() failed on %s: %r", w.name, res)
                 else:
                     w.stats = res
-                    tokens, blocks = sent_before[w.name]
-                    w.sent_tokens -= tokens
-                    w.sent_blocks -= blocks
+                    for rid in sent_before[w.name]:
+                        w.unseen.pop(rid, None)
             self._stats_time = time.monotonic()
 
     # ---- requests --------------------------------------------------------------------------
@@ -327,8 +328,7 @@ class WorkerPool:
         stream.worker = worker
         self._streams[stream.request_id] = stream
         worker.inflight.add(stream.request_id)
-        worker.sent_tokens += prompt_tokens
-        worker.sent_blocks += blocks_needed(num_tokens, worker.stats.block_size)
+        worker.unseen[stream.request_id] = (prompt_tokens, blocks_needed(num_tokens, worker.stats.block_size))
 
     def is_registered(self, stream: RequestStream) -> bool:
         """Whether ``stream``'s worker still holds it (its deltas still come to it)."""
@@ -339,6 +339,8 @@ class WorkerPool:
         wakes requests waiting for room."""
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+        if stream.worker is not None:
+            stream.worker.unseen.pop(stream.request_id, None)  # gone from the worker: stats won't count it
         if stream.worker is not None and stream.request_id in stream.worker.inflight:
             stream.worker.inflight.discard(stream.request_id)
             if notify:

@@ -25,7 +25,29 @@ GREEDY = dict(max_tokens=8, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def server(local_ray, tiny_servable_model):
+def model(tmp_path_factory, tiny_servable_model):
+    """A random Llama like ``tiny_servable_model`` (same tokenizer), but with a long context, so
+    that a request of ``LONG`` tokens runs for seconds: long enough to be caught running by a
+    scale-down, whatever the machine's load."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("scaling-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for f in tiny_servable_model.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(local_ray, model):
     import ray
 
     from pdserve.decode_worker.worker import WorkerConfig
@@ -34,11 +56,11 @@ def server(local_ray, tiny_servable_model):
     from pdserve.router.scaling import ActorFactory
     from pdserve.router.server import RouterConfig, start_in_thread
 
-    engine = EngineConfig(model=str(tiny_servable_model), threads=1, kv_cache_bytes=8 << 20, show_progress=False)
+    engine = EngineConfig(model=str(model), threads=1, kv_cache_bytes=32 << 20, show_progress=False)
     factory = ActorFactory({"colocated": WorkerConfig(engine=engine)}, {"colocated": RoleResources(0.25, 0.0)},
                            name=f"scaletest{id(engine) % 10000}")
     workers, _ = factory.start("colocated", 1)
-    router = start_in_thread(workers, load_tokenizer(str(tiny_servable_model)), RouterConfig(port=0),
+    router = start_in_thread(workers, load_tokenizer(str(model)), RouterConfig(port=0),
                              actor_factory=factory)
     yield router, factory
     router.stop()
@@ -122,7 +144,7 @@ def test_scale_up_and_down_under_load_loses_nothing(server, capsys):
     assert all(tokens == reference[q] for q, tokens, _ in results)
 
 
-LONG = dict(max_tokens=300, temperature=0, ignore_eos=True)
+LONG = dict(max_tokens=8000, temperature=0, ignore_eos=True)
 
 
 def start_long_requests(address: str, n: int) -> tuple[list, list[threading.Thread]]:
