@@ -205,11 +205,11 @@ class DisaggregatedFlow:
     async def _fail_reserved(self, stream: RequestStream, exc: BaseException) -> None:
         """End a request whose prefill failed: its reservation goes back, then the client gets
         ``exc`` (so an error the client sees means the blocks are already free)."""
-        if stream.ended:
-            return
         if self.pool.is_registered(stream):
             self.pool.forget(stream)
             await self.pool.abort(stream.worker, stream.request_id)
+        # Even an ended request gets it: what ended it may be held behind the token #1 that
+        # will now never come.
         stream.fail(exc)
 
     async def explain_transfer_failure(self, stream: RequestStream, delta: RequestDelta) -> None:
@@ -230,6 +230,8 @@ class DisaggregatedFlow:
                 pass  # slow: report the decode worker's error as it is
         if stream.request_id != attempt or stream.ended:
             return  # retried meanwhile (this failure was the old attempt's), or already over
+        if dead and stream.state is S.PREFILLING:
+            return  # token #1 never came out: _run_prefill sees the death and retries
         if dead:
             stream.fail(WorkerDied(f"prefill worker {prefill.name} died while sending this request's KV cache"))
         else:
