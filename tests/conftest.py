@@ -24,23 +24,34 @@ def default_model_dir() -> Path:
     return resolve_model_dir("default")
 
 
-@pytest.fixture(scope="session")
-def tiny_servable_model(tmp_path_factory, default_model_dir) -> Path:
-    """A 2-layer random Llama with the default model's tokenizer files (and so its vocabulary):
-    `pdserve serve` loads it in a moment and a request takes milliseconds."""
+def save_servable_llama(path: Path, tokenizer_dir: Path, max_position_embeddings: int = 512) -> Path:
+    """Save a 2-layer random Llama with ``tokenizer_dir``'s tokenizer files (and so its
+    vocabulary) at ``path``: `pdserve serve` loads it in a moment and a token takes a millisecond."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    path = tmp_path_factory.mktemp("deploy-tiny-llama")
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def make_servable_llama():
+    """``save_servable_llama``, for a test module that needs another context length."""
+    return save_servable_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_servable_model(tmp_path_factory, default_model_dir) -> Path:
+    """``save_servable_llama`` with a 512-token context, made once per session."""
+    return save_servable_llama(tmp_path_factory.mktemp("deploy-tiny-llama"), default_model_dir)
 
 
 def poll_until(condition, timeout: float = 10.0, interval: float = 0.02, what: str = "the condition"):

@@ -25,25 +25,11 @@ GREEDY = dict(max_tokens=8, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, tiny_servable_model):
-    """A random Llama like ``tiny_servable_model`` (same tokenizer), but with a long context, so
-    that a request of ``LONG`` tokens runs for seconds: long enough to be caught running by a
-    scale-down, whatever the machine's load."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    path = tmp_path_factory.mktemp("scaling-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for f in tiny_servable_model.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return path
+def model(tmp_path_factory, default_model_dir, make_servable_llama):
+    """The tiny servable Llama with an 8192-token context, so that a request of ``LONG`` tokens
+    runs for seconds: long enough to be caught running by a scale-down, whatever the machine's
+    load."""
+    return make_servable_llama(tmp_path_factory.mktemp("scaling-llama"), default_model_dir, 8192)
 
 
 @pytest.fixture(scope="module")
