@@ -198,6 +198,40 @@ class Faults:
         self._on_pack(change)
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() >= deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def lease_check(loop) -> None:
+    """Return once the decode ``EngineLoop`` has checked its leases after this call began: the
+    engine thread checks them after every batch of calls it runs, and the second call here runs
+    in a later batch than the first."""
+    loop.call(lambda: None)
+    loop.call(lambda: None)
+
+
+def is_open(loop, request_id: str) -> bool:
+    """The decode side knows that a transfer stream for ``request_id`` opened."""
+    return loop.call(lambda: request_id in loop.reserved and loop.reserved[request_id].opened)
+
+
+def is_reserved(loop, request_id: str) -> bool:
+    return loop.call(lambda: request_id in loop.reserved)
+
+
+def pieces_written(loop, request_id: str) -> int:
+    """Distinct (layer, block) pairs of ``request_id`` written so far; fails the test if its
+    reservation was released meanwhile."""
+    n = loop.call(lambda: loop.reserved[request_id].pieces if request_id in loop.reserved else None)
+    assert n is not None, f"the reservation of {request_id} was released"
+    return n
+
+
 def wait_for_final(loop, request_id: str, timeout: float = 15.0):
     """The final ``RequestDelta`` of ``request_id`` from ``loop`` (fails the test after ``timeout``)."""
     deadline = time.time() + timeout

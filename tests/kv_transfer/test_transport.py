@@ -27,7 +27,18 @@ import time
 import pytest
 import torch
 
-from kv_suite import RecordingSink, bounded, random_kv, wait_all_free, wait_for_final
+from kv_suite import (
+    RecordingSink,
+    bounded,
+    is_open,
+    is_reserved,
+    lease_check,
+    pieces_written,
+    random_kv,
+    wait_all_free,
+    wait_for_final,
+    wait_until,
+)
 from pdserve.decode_worker.messages import WorkerRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import TransferError, TransferState
@@ -211,10 +222,7 @@ def test_frames_into_the_decode_worker_arrive_exactly_and_start_decoding(transpo
     t = transport.sender.open("ok", receiver.address, 2, 3, timeout_s=10)
     # before finish: the KV is in the reserved blocks, bit-exact
     push(t, dest, data, whole(2))
-    deadline = time.time() + 10
-    while loop.call(lambda: loop.reserved["ok"].pieces) < 6:
-        assert time.time() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: pieces_written(loop, "ok") == 6, what="all 6 layer-blocks written")
     assert loop.runner.kv.export_blocks(dest).equal(data)
     bounded(lambda: t.finish(9))
     final = wait_for_final(loop, "ok")
@@ -288,17 +296,20 @@ def test_a_transfer_that_never_sends_is_released_by_the_lease(transport, decode_
 
 
 def test_the_lease_restarts_when_the_transfer_opens_so_a_queue_wait_does_not_eat_it(transport, decode_loop):
-    """Blocks reserved, then the request waits (a prefill queue) longer than the lease would
-    allow from the reservation: the stream's opening restarts the lease, so the transfer still
-    gets a whole lease. (The engine checks leases about once a second: the wait after the old
-    deadline spans such a check.)"""
-    loop = decode_loop(kv_lease_s=2.0)
+    """Blocks reserved, then the request waits in a prefill queue: until its transfer opens, the
+    reservation's own deadline (kv_reserve_timeout_s) bounds it. The stream's opening restarts the
+    deadline as a whole lease (kv_lease_s), so the transfer still runs after the reservation's
+    deadline has passed and the engine has checked it."""
+    loop = decode_loop(kv_reserve_timeout_s=2.0, kv_lease_s=30.0)
     receiver = transport.make_receiver(loop)
     dest = loop.reserve_kv(WorkerRequest("queued", list(range(3, 11)), SamplingParams(max_tokens=2, ignore_eos=True)))
-    t0 = time.time()
-    time.sleep(1.5)  # in the prefill queue
-    t = transport.sender.open("queued", receiver.address, 2, 2, timeout_s=10)
-    time.sleep(max(0.0, t0 + 3.3 - time.time()))  # past the reservation's first lease and a check of it
+    reservation_deadline = time.time() + 2.0  # no earlier than the decode side's
+    time.sleep(0.5)  # in the prefill queue
+    t = transport.sender.open("queued", receiver.address, 2, 2, timeout_s=30)
+    wait_until(lambda: is_open(loop, "queued"), what="the stream to open on the decode side")
+    wait_until(lambda: time.time() > reservation_deadline, timeout=5, what="the reservation's deadline")
+    lease_check(loop)
+    assert is_reserved(loop, "queued"), "the reservation's deadline released an open transfer"
     push(t, dest, random_kv(2, 2, like=loop.runner.kv), whole(2))
     bounded(lambda: t.finish(7))
     final = wait_for_final(loop, "queued")
@@ -307,16 +318,23 @@ def test_the_lease_restarts_when_the_transfer_opens_so_a_queue_wait_does_not_eat
 
 
 def test_a_slow_transfer_that_keeps_making_progress_outlives_the_lease(transport, decode_loop):
-    """The lease bounds stalls, not the whole transfer: four pieces 0.9 s apart with a 1.5 s
-    lease (about 3.6 s in all, across several lease checks) still complete."""
-    loop = decode_loop(kv_lease_s=1.5)
+    """The lease bounds stalls, not the whole transfer: every piece that lands renews it. Four
+    pieces 0.7 s apart with a 2 s lease take longer than a lease after the stream opened, and
+    still complete."""
+    loop = decode_loop(kv_lease_s=2.0)
     receiver = transport.make_receiver(loop)
     dest = loop.reserve_kv(WorkerRequest("slow", list(range(3, 11)), SamplingParams(max_tokens=2, ignore_eos=True)))
-    t = transport.sender.open("slow", receiver.address, 2, 2, timeout_s=10)
+    t = transport.sender.open("slow", receiver.address, 2, 2, timeout_s=30)
+    wait_until(lambda: is_open(loop, "slow"), what="the stream to open on the decode side")
+    lease_ends = time.time() + 2.0  # no earlier than the lease the opening started
     data = random_kv(2, 2, like=loop.runner.kv)
-    for layers, blocks in [(range(lo, lo + 1), slice(b, b + 1)) for lo in range(2) for b in range(2)]:
-        time.sleep(0.9)
+    for n, (layers, blocks) in enumerate([(range(lo, lo + 1), slice(b, b + 1)) for lo in range(2) for b in range(2)]):
+        time.sleep(0.7)  # a slow sender
         push(t, dest, data, [(layers, blocks)])
+        wait_until(lambda: pieces_written(loop, "slow") == n + 1, what=f"piece {n} to land")
+    assert time.time() > lease_ends
+    lease_check(loop)
+    assert is_reserved(loop, "slow"), "the lease ran out although pieces kept arriving"
     bounded(lambda: t.finish(7))
     final = wait_for_final(loop, "slow")
     assert final.finish_reason == "length", final.error
@@ -362,7 +380,7 @@ def test_a_sender_gone_before_its_first_piece_is_released_at_once_not_by_the_lea
     receiver = transport.make_receiver(loop)
     loop.reserve_kv(WorkerRequest("early", list(range(3, 9)), SamplingParams(max_tokens=2)))
     t = transport.sender.open("early", receiver.address, 2, 2, timeout_s=30)
-    time.sleep(0.2)  # the stream is open on the receiver
+    wait_until(lambda: is_open(loop, "early"), what="the stream to open on the decode side")
     t0 = time.time()
     t.abort()
     with pytest.raises(TransferError):
