@@ -9,6 +9,7 @@ import datetime
 import os
 import platform
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -267,6 +268,10 @@ def _cmd_compare(args, specs, slo, schedule, options, meta) -> int:
     if not order or bad or len(set(order)) != len(order):
         return _fail(f"--modes takes colocated and/or disaggregated, each once; got {args.modes!r}", 2)
     out = Path(args.out)
+    # Ctrl-C (SIGINT) must reach us even when we were started with it ignored, as a shell does for
+    # the background jobs of a script: ignored, it would leave the servers running for the whole
+    # sweep. Handled here, the servers we start inherit the default handling too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     meta["servers"] = {m: configs[m].describe() for m in order}
     runs_per_mode = len(schedule.plans(specs))
     modes = []

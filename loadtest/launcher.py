@@ -18,12 +18,14 @@ reaches only the load test, which then stops the server itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,12 +115,18 @@ class RayCluster:
         import ray
 
         kwargs = dict(namespace=RAY_NAMESPACE, log_to_driver=False, configure_logging=False)
-        if self.address:
-            ray.init(address=self.address, **kwargs)
-        else:
-            cpus = None if self.num_cpus is None else max(1, math.ceil(self.num_cpus))
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
-            self.started = True
+        # A Ctrl-C in the middle of ray.init would leave the processes it had started unknown to
+        # ray.shutdown (and running): it takes effect once Ray is up, and Ray is shut down then.
+        with _sigint_deferred() as interrupted:
+            if self.address:
+                ray.init(address=self.address, **kwargs)
+            else:
+                cpus = None if self.num_cpus is None else max(1, math.ceil(self.num_cpus))
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+                self.started = True
+        if interrupted:
+            ray.shutdown()
+            raise KeyboardInterrupt
         self.gcs_address = ray.get_runtime_context().gcs_address
         return self
 
@@ -154,6 +162,20 @@ class RayCluster:
             except ValueError:  # gone, as it should be
                 pass
         return killed
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold SIGINT for the block (main thread only); yields a list that is non-empty if one came."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _actor_exists(name: str) -> bool:

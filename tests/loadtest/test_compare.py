@@ -77,25 +77,36 @@ def test_compare_writes_a_consistent_report(tiny_servable_model, tmp_path):
         assert f"--name pdserve-loadtest-{name}" in (out / f"server-{name}.log").read_text()
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_stops_the_servers_it_started(tiny_servable_model, tmp_path):
+    """Started with SIGINT ignored, as a shell starts the background jobs of a script (the way a
+    test run on a fresh machine may start it): SIGINT must still stop it."""
     out = tmp_path / "report"
     proc = subprocess.Popen(compare_cmd(tiny_servable_model, out, "--rates", "0.5", "-n", "500"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=ignore_sigint)
     log = out / "server-colocated.log"
     try:
         end = time.monotonic() + 180
         address = None
-        while time.monotonic() < end and address is None and proc.poll() is None:
-            m = re.search(r"listening on (\S+):(\d+)", log.read_text() if log.exists() else "")
+        while time.monotonic() < end and proc.poll() is None:
+            text = log.read_text() if log.exists() else ""
+            m = re.search(r"listening on (\S+):(\d+)", text)
             address = m and (m.group(1), int(m.group(2)))
+            if address and "pdserve.requests" in text:  # the sweep runs: requests are in flight
+                break
             time.sleep(0.3)
-        assert address, f"the colocated server did not start: {proc.stderr.read() if proc.poll() is not None else ''}"
-        time.sleep(2)  # requests in flight
+        assert address and proc.poll() is None, \
+            f"the colocated server did not start: {proc.stderr.read() if proc.poll() is not None else ''}"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 130
         assert "interrupted; the servers it started are stopped" in proc.stderr.read()
         assert "pdserve: stopped" in log.read_text()
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no server
             s.bind(address)  # the server's port is free again
         assert not (out / "server-disaggregated.log").exists()  # the second side never started
     finally:
