@@ -137,7 +137,16 @@ def _add_scale(sub) -> None:
                    "(default 300)")
     p.add_argument("--timeout", type=non_negative_float, default=None, metavar="SECONDS",
                    help="deadline of the whole call (default: none)")
+    add_connection_args(p)
     p.set_defaults(func=cmd_scale)
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """``--api-key`` and ``--tls-ca``: how a client command reaches a server that asks for them."""
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the server's API key (default: $PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="connect over TLS, trusting the CA certificate in this file")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -149,7 +158,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
         return fail("say how many workers: --prefill N and/or --decode M", 2)
     try:
         reply = scale(args.target, prefill=args.prefill, decode=args.decode,
-                      drain_timeout_s=args.drain_timeout, timeout=args.timeout)
+                      drain_timeout_s=args.drain_timeout, timeout=args.timeout,
+                      api_key=args.api_key, tls_ca=args.tls_ca)
     except grpc.RpcError as exc:
         hint = ""
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -197,6 +207,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline of the request")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per streamed response instead of plain text")
+    add_connection_args(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -242,7 +253,7 @@ def cmd_generate(args: argparse.Namespace, out=None) -> int:
                   top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
                   logprobs=args.logprobs)
     last = None
-    with Client(args.target, timeout=args.timeout) as client:
+    with Client(args.target, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         try:
             with client.generate(**inputs, **params) as stream:
                 for chunk in stream:

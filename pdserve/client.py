@@ -12,7 +12,9 @@ everything it held.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -22,6 +24,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_API_KEY"  # the key a client sends when none is passed
 
 _FINISH = {
     pb.FINISH_REASON_STOP: "stop",
@@ -195,6 +198,22 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata that carries an API key (``authorization: Bearer KEY``); none without one."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def open_channel(target: str, tls_ca: str | bytes | None = None, aio: bool = False, options=None):
+    """A gRPC channel to ``target``; over TLS when ``tls_ca`` (the PEM of the CA that signed the
+    server's certificate: a file path, or its bytes) is given."""
+    mod = grpc.aio if aio else grpc
+    options = _CHANNEL_OPTIONS if options is None else options
+    if tls_ca is None:
+        return mod.insecure_channel(target, options=options)
+    root = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+    return mod.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root), options=options)
+
+
 class ResponseStream:
     """Iterate to get ``Chunk``s; ``cancel()`` (or leaving the ``with`` block) stops the request."""
 
@@ -221,30 +240,36 @@ class ResponseStream:
 
 
 class Client:
-    """Blocking client. ``timeout`` (seconds) is the default deadline of every call."""
+    """Blocking client. ``timeout`` (seconds) is the default deadline of every call; ``api_key``
+    is sent with every call (default ``$PDSERVE_API_KEY``); ``tls_ca`` (a PEM file or its bytes)
+    makes the channel TLS, trusting that CA."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None):
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+                 api_key: str | None = None, tls_ca: str | bytes | None = None):
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._metadata = call_metadata(api_key or os.environ.get(API_KEY_ENV))
+        self._channel = open_channel(target, tls_ca)
         self._stub = pb_grpc.GenerationStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> ResponseStream:
         """Stream the answer; keyword arguments as in ``build_request``."""
         req = build_request(prompt, **kwargs)
-        return ResponseStream(self._stub.Generate(req, timeout=timeout or self.timeout))
+        return ResponseStream(self._stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata))
 
     def complete(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Completion:
         """The whole answer at once; keyword arguments as in ``build_request``."""
         req = build_request(prompt, **kwargs)
         try:
-            return Completion.from_pb(self._stub.Complete(req, timeout=timeout or self.timeout))
+            return Completion.from_pb(self._stub.Complete(req, timeout=timeout or self.timeout,
+                                                          metadata=self._metadata))
         except grpc.RpcError as exc:
             raise RequestError.from_rpc(exc) from None
 
     def server_info(self, *, timeout: float | None = None) -> ServerInfo:
         try:
-            r = self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout or self.timeout)
+            r = self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout or self.timeout,
+                                         metadata=self._metadata)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc(exc) from None
         return ServerInfo.from_pb(r)
@@ -292,28 +317,34 @@ class AsyncResponseStream:
 
 
 class AsyncClient:
-    """asyncio client; the same calls as ``Client``, awaited. Create it inside a running loop."""
+    """asyncio client; the same calls and arguments as ``Client``, awaited. Create it inside a
+    running loop."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None):
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+                 api_key: str | None = None, tls_ca: str | bytes | None = None):
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._metadata = call_metadata(api_key or os.environ.get(API_KEY_ENV))
+        self._channel = open_channel(target, tls_ca, aio=True)
         self._stub = pb_grpc.GenerationStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> AsyncResponseStream:
         req = build_request(prompt, **kwargs)
-        return AsyncResponseStream(self._stub.Generate(req, timeout=timeout or self.timeout))
+        return AsyncResponseStream(self._stub.Generate(req, timeout=timeout or self.timeout,
+                                                       metadata=self._metadata))
 
     async def complete(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
         try:
-            return Completion.from_pb(await self._stub.Complete(req, timeout=timeout or self.timeout))
+            return Completion.from_pb(await self._stub.Complete(req, timeout=timeout or self.timeout,
+                                                                metadata=self._metadata))
         except grpc.RpcError as exc:
             raise RequestError.from_rpc(exc) from None
 
     async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
         try:
-            r = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout or self.timeout)
+            r = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout or self.timeout,
+                                               metadata=self._metadata)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc(exc) from None
         return ServerInfo.from_pb(r)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
 import sys
@@ -16,6 +17,7 @@ import sys
 from pdserve.cli import DEFAULT_PORT, fail, non_negative_float, parse_size, positive_int
 
 DEFAULT_METRICS_PORT = 8000  # where vLLM users find /metrics
+DEFAULT_HTTP_PORT = 8080  # the OpenAI-compatible API (8000, vLLM's, is the metrics port's here)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 RAY_NAMESPACE = "pdserve"
 TRANSPORTS = ("grpc", "collective")  # the KV transports `--transport` accepts; the first is the default
@@ -86,16 +88,26 @@ def add_parser(sub) -> None:
                    help="most requests waiting for a worker with room (default 1024)")
     p.add_argument("--queue-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="longest wait for a worker with room before RESOURCE_EXHAUSTED (default 30)")
-    p.add_argument("--metrics-port", type=_metrics_port, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=_port_or_off, default=None, metavar="PORT",
                    help=f"serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port, 'off' "
                    f"disables (default {DEFAULT_METRICS_PORT}; a free port when --port is 0)")
+    p.add_argument("--http-port", type=_port_or_off, default=None, metavar="PORT",
+                   help=f"serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
+                   f"/health, /metrics) on HOST:PORT; 0 picks a free port, 'off' disables (default "
+                   f"{DEFAULT_HTTP_PORT}; a free port when --port is 0)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on both APIs (health checks stay open); "
+                   "default: $PDSERVE_API_KEY, else no key")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve both APIs over TLS with this certificate (chain); needs --tls-key")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level of the server process; 'info' logs one line per finished request "
                    "(default info)")
     p.set_defaults(func=cmd_serve)
 
 
-def _metrics_port(text: str) -> int | str:
+def _port_or_off(text: str) -> int | str:
     if text.strip().lower() in ("off", "none", "disabled"):
         return "off"
     try:
@@ -137,6 +149,12 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         _merge_role_resources(args, "decode")
     except ResourceSpecError as exc:
         return str(exc)
+    if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):
+        return "--tls-cert and --tls-key go together: give both, or neither"
+    for flag in ("tls_cert", "tls_key"):
+        path = getattr(args, flag, None)
+        if path is not None and not os.path.isfile(path):
+            return f"--{flag.replace('_', '-')}: no such file {path}"
     if args.mode == "colocated":
         if args.prefill is not None:
             return "--prefill applies to --mode disaggregated only; colocated workers prefill themselves"
@@ -315,18 +333,27 @@ async def _serve(args: argparse.Namespace, workers: list, tokenizer, prefill_wor
     from pdserve.router.metrics import MetricsPortInUse
     from pdserve.router.server import PortInUse, RouterConfig, RouterServer
 
+    from pdserve.router.auth import API_KEY_ENV
+    from pdserve.router.openai_api import HttpPortInUse
+
     metrics_port = args.metrics_port
     if metrics_port is None:
         metrics_port = 0 if args.port == 0 else DEFAULT_METRICS_PORT
+    http_port = args.http_port
+    if http_port is None:
+        http_port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     server = RouterServer(workers, tokenizer, RouterConfig(
         host=args.host, port=args.port, model=args.model, mode=args.mode,
         transport=args.transport or TRANSPORTS[0],
         max_inflight_per_worker=args.max_inflight, max_queued_requests=args.max_queued,
         queue_timeout_s=args.queue_timeout, metrics_port=None if metrics_port == "off" else metrics_port,
+        http_port=None if http_port == "off" else http_port, api_key=api_key,
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
     ), prefill_workers=list(prefill_workers) or None, actor_factory=factory)
     try:
         address = await server.start()
-    except (PortInUse, MetricsPortInUse) as exc:
+    except (PortInUse, MetricsPortInUse, HttpPortInUse) as exc:
         return fail(str(exc))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -339,7 +366,9 @@ async def _serve(args: argparse.Namespace, workers: list, tokenizer, prefill_wor
         what = f"{len(workers)} worker{'s' if len(workers) != 1 else ''}"
     # One line, so that a launcher reading it learns both addresses at once.
     metrics = f"metrics on http://{args.host}:{server.metrics_port}/metrics; " if server.metrics_port is not None else ""
-    print(f"pdserve: listening on {address} ({args.mode}, {what}, model {args.model}); {metrics}Ctrl-C stops",
+    scheme = "https" if args.tls_cert else "http"
+    http = f"OpenAI API on {scheme}://{args.host}:{server.http_port}/v1; " if server.http_port is not None else ""
+    print(f"pdserve: listening on {address} ({args.mode}, {what}, model {args.model}); {metrics}{http}Ctrl-C stops",
           flush=True)
     await stop.wait()
     for sig in (signal.SIGINT, signal.SIGTERM):

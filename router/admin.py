@@ -8,6 +8,7 @@ person can act on.
 from __future__ import annotations
 
 import logging
+import os
 
 import grpc
 
@@ -44,8 +45,12 @@ class AdminService(pb_grpc.AdminServicer):
 
 
 def scale(target: str, prefill: int | None = None, decode: int | None = None,
-          drain_timeout_s: float | None = None, timeout: float | None = None) -> pb.ScaleResponse:
-    """Call ``Admin.Scale`` on the server at ``target`` (``host:port``); raises ``grpc.RpcError``."""
+          drain_timeout_s: float | None = None, timeout: float | None = None,
+          api_key: str | None = None, tls_ca: str | bytes | None = None) -> pb.ScaleResponse:
+    """Call ``Admin.Scale`` on the server at ``target`` (``host:port``); raises ``grpc.RpcError``.
+    ``api_key`` (default ``$PDSERVE_API_KEY``) and ``tls_ca`` as for ``pdserve.client.Client``."""
+    from pdserve.client import API_KEY_ENV, call_metadata, open_channel
+
     request = pb.ScaleRequest()
     if prefill is not None:
         request.prefill = prefill
@@ -53,5 +58,6 @@ def scale(target: str, prefill: int | None = None, decode: int | None = None,
         request.decode = decode
     if drain_timeout_s is not None:
         request.drain_timeout_s = drain_timeout_s
-    with grpc.insecure_channel(target) as channel:
-        return pb_grpc.AdminStub(channel).Scale(request, timeout=timeout)
+    with open_channel(target, tls_ca, options=[]) as channel:
+        return pb_grpc.AdminStub(channel).Scale(request, timeout=timeout,
+                                                metadata=call_metadata(api_key or os.environ.get(API_KEY_ENV)))

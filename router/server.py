@@ -1,4 +1,5 @@
-"""The router's gRPC server: the Generation service, health checking and reflection.
+"""The router's servers: gRPC (the Generation and Admin services, health checking, reflection)
+and, beside it on the same loop, the OpenAI-compatible HTTP API (``openai_api``).
 
 ``RouterServer`` runs on the caller's asyncio loop (``pdserve serve`` runs it on the main
 one); ``start_in_thread`` runs one on a loop of its own, for tests and in-process tools. In
@@ -18,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.router.auth import ApiKeyInterceptor, server_credentials
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.admin import SERVICE_NAME as ADMIN_SERVICE_NAME
 from pdserve.router.admin import AdminService
@@ -59,6 +61,10 @@ class RouterConfig:
     queue_timeout_s: float = 30.0  # longest wait for a worker with room, deadline or not
     shutdown_grace_s: float = 5.0
     metrics_port: int | None = None  # HTTP /metrics (Prometheus) on `host`; 0 picks a free port; None: off
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; 0 picks a free port; None: off
+    api_key: str | None = None  # required on both front ends (router/auth.py) when set
+    tls_cert: str | None = None  # PEM certificate and key: both front ends serve TLS only
+    tls_key: str | None = None
 
 
 MODES = ("colocated", "disaggregated")
@@ -101,6 +107,8 @@ class RouterServer:
             self.pool, self.config.mode, self.config.transport if disaggregated else "none",
             model=self.config.model, version=_version())
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._http = None  # openai_api.OpenAIFrontEnd
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -129,7 +137,9 @@ class RouterServer:
             self.pool, preprocessor, server_info, queue_timeout_s=self.config.queue_timeout_s,
             metrics=self.metrics,
         )
+        interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
         server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -146,8 +156,12 @@ class RouterServer:
             [SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         target = f"{self.config.host}:{self.config.port}"
+        tls = self.config.tls_cert is not None
         try:
-            port = server.add_insecure_port(target)
+            if tls:
+                port = server.add_secure_port(target, server_credentials(self.config.tls_cert, self.config.tls_key))
+            else:
+                port = server.add_insecure_port(target)
         except RuntimeError as exc:
             port = 0
             cause = exc
@@ -168,6 +182,19 @@ class RouterServer:
             logger.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
         await server.start()
         self._server = server
+        if self.config.http_port is not None:
+            from pdserve.router.openai_api import OpenAIFrontEnd
+
+            self._http = OpenAIFrontEnd(service, self._tokenizer, self.config.model, api_key=self.config.api_key,
+                                        metrics=self.metrics, can_serve=lambda: self.pool.can_serve)
+            try:
+                self.http_port = await self._http.start(self.config.host, self.config.http_port,
+                                                        self.config.tls_cert, self.config.tls_key)
+            except OSError:
+                await self.stop(0)
+                raise
+            logger.info("OpenAI-compatible API on %s://%s:%d/v1", "https" if tls else "http",
+                        self.config.host, self.http_port)
         await self._set_health(self.pool.can_serve)
         logger.info("router listening on %s", self.address)
         return self.address
@@ -177,6 +204,9 @@ class RouterServer:
         if self._server is None:
             return
         await self._health.enter_graceful_shutdown()
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         await self._server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.pool.close()
         self.metrics.stop_http()
@@ -218,6 +248,10 @@ class BackgroundRouter:
     @property
     def metrics_port(self) -> int | None:
         return self.server.metrics_port
+
+    @property
+    def http_port(self) -> int | None:
+        return self.server.http_port
 
     def _call(self, coro, timeout: float | None = 120):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

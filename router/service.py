@@ -68,7 +68,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for response in self._run(request, context):
+            async for response in self.run(request, context):
                 yield response
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
@@ -76,7 +76,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Complete(self, request, context) -> pb.CompleteResponse:
         out = pb.CompleteResponse()
         try:
-            async for r in self._run(request, context):
+            async for r in self.run(request, context):
                 out.request_id = r.request_id
                 out.text += r.text
                 out.token_ids.extend(r.token_ids)
@@ -104,8 +104,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             return self.queue_timeout_s
         return max(0.0, min(self.queue_timeout_s, remaining - _DEADLINE_MARGIN_S))
 
-    async def _run(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
-        """``_serve`` with metrics: every response goes past the request's observer, and however
+    async def run(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        """One request's responses: the request path of both front ends (gRPC here, HTTP in
+        ``openai_api``). Raises ``RequestFailed`` with the status to answer. ``context`` needs
+        only ``time_remaining()``. Every response goes past the request's observer, and however
         the request ends (summary, error status, cancel, deadline) it is counted once."""
         obs = RequestObserver(self.metrics)
         responses = self._serve(request, context, obs)
