@@ -16,6 +16,32 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(2)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run on one torch thread: their matrices gain nothing from a second, and two
+    threads on a busy two-core machine mostly wait at barriers."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray with two CPUs for the whole session (reused when another fixture started one;
+    tests/kv_transfer has its own, with four)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model (SmolLM2-135M-Instruct) as a Hugging Face directory, converted once."""

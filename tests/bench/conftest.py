@@ -34,24 +34,3 @@ def tiny_llama(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run on one torch thread: two threads on a busy two-core machine mostly wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray with two CPUs for the session (reused when another fixture started one); the
-    benchmarks use it rather than start their own, and must leave it running."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    if started:
-        ray.shutdown()

@@ -75,16 +75,6 @@ def tiny(tmp_path_factory) -> TinyLlama:
 
 
 @pytest.fixture
-def one_thread():
-    """Tiny models run on one torch thread: their matrices gain nothing from a second, and two
-    threads on a busy two-core machine mostly wait at barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def make_loop(tiny, one_thread):
     """Factory: ``make_loop(num_blocks=..., max_num_batched_tokens=..., max_num_seqs=..., kv_lease_s=..., kv_reserve_timeout_s=...)``
     -> a started ``EngineLoop`` over the tiny model (block size 4), stopped after the test."""
@@ -147,19 +137,6 @@ class Collector:
 def collect():
     """``collect(loop)`` -> a ``Collector`` over ``loop.take_outputs`` (0.2 s long poll)."""
     return lambda loop: Collector(lambda: loop.take_outputs(0.2))
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray with two CPUs for the whole session (reused when another fixture started one)."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture

@@ -70,15 +70,6 @@ def tiny(tmp_path_factory) -> TinyLlama:
     return TinyLlama(path, model)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run on one torch thread (two threads on a busy two-core machine mostly wait)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @dataclass
 class Disaggregated:
     """A decode ``EngineLoop`` (role decode) with its KV receiver, and a ``PrefillEngine`` in process."""
