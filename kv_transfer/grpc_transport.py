@@ -144,8 +144,11 @@ class GrpcTransfer(Transfer):
         self._bytes = 0
         self._timeout_s = timeout_s
         self._encoder = encoder
-        # gRPC's sending thread only ships the messages that ``send`` queued, encoded ahead.
-        self._future = push.future(self._iter(), timeout=timeout_s, metadata=((REQUEST_ID_KEY, request_id),))
+        # gRPC's sending thread only ships the messages that ``send`` queued, encoded ahead. The
+        # stream has no deadline of its own: a long prompt's transfer stays open for as long as
+        # its prefill takes. It is bounded by progress instead: the receiver's lease is renewed by
+        # each piece, and ``finish`` waits at most ``timeout_s`` for the acknowledgement.
+        self._future = push.future(self._iter(), metadata=((REQUEST_ID_KEY, request_id),))
 
     def _iter(self):
         """The stream's messages, on gRPC's request thread. gRPC asks for the next message only
@@ -208,7 +211,12 @@ class GrpcTransfer(Transfer):
         self._q.put(last.pack())
         self._q.put(_END)
         try:
-            ack = self._future.result()
+            ack = self._future.result(timeout=self._timeout_s)
+        except (futures.TimeoutError, grpc.FutureTimeoutError):
+            self.state = TransferState.FAILED
+            self._future.cancel()
+            raise TransferError(f"KV transfer of {self.request_id} timed out: no acknowledgement "
+                                f"{self._timeout_s} s after its last frame") from None
         except grpc.RpcError as exc:
             self.state = TransferState.FAILED
             code = exc.code()

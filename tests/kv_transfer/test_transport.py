@@ -267,17 +267,38 @@ def test_a_request_without_reservation_is_rejected(transport, sink):
 # ---- deadlines and leases ------------------------------------------------------------------------
 
 
-def test_a_stalled_transfer_times_out_and_the_decode_side_releases(transport, sink):
-    """A sender that opens, sends a piece and then neither finishes nor aborts (a hung prefill)."""
-    receiver = transport.make_receiver(sink)
-    dest = sink.reserve("stall", 3)
-    t = transport.sender.open("stall", receiver.address, NUM_LAYERS, 3, timeout_s=1.0)
-    push(t, dest, random_kv(NUM_LAYERS, 3), whole()[:1])
-    assert sink.wait(lambda: "stall" in sink.failed, timeout=10), "the receiver kept the stalled transfer"
-    assert not sink.blocks_in_use("stall")
-    with pytest.raises(TransferError, match="timed out|deadline"):
+def test_a_stalled_transfer_is_released_by_the_lease_and_the_sender_times_out(transport, decode_loop):
+    """A sender that opens, sends a piece and then neither finishes nor aborts (a hung prefill):
+    the lease, which only pieces renew, frees the blocks; the sender's ``finish`` gives up."""
+    loop = decode_loop(kv_lease_s=1.0)
+    receiver = transport.make_receiver(loop)
+    dest = loop.reserve_kv(WorkerRequest("stall", list(range(3, 11)), SamplingParams(max_tokens=2)))
+    t = transport.sender.open("stall", receiver.address, 2, 2, timeout_s=1.0)
+    push(t, dest, random_kv(2, 2, like=loop.runner.kv), [(range(0, 1), slice(None))])
+    final = wait_for_final(loop, "stall", timeout=10)
+    assert final.finish_reason == "error" and "lease" in final.error
+    wait_all_free(loop)
+    with pytest.raises(TransferError, match="timed out|failed|aborted"):
         bounded(lambda: t.finish(1))
     assert t.state is TransferState.FAILED
+
+
+def test_a_long_transfer_has_no_deadline_of_its_own(transport, decode_loop):
+    """A long prompt's prefill keeps its transfer open for longer than ``timeout_s``: as long as
+    pieces keep coming, neither side gives up (the sender's timeout bounds only the wait for the
+    acknowledgement after the last frame)."""
+    loop = decode_loop(kv_lease_s=2.0)
+    receiver = transport.make_receiver(loop)
+    dest = loop.reserve_kv(WorkerRequest("long", list(range(3, 11)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    t = transport.sender.open("long", receiver.address, 2, 2, timeout_s=0.5)
+    data = random_kv(2, 2, like=loop.runner.kv)
+    for n, (layers, blocks) in enumerate([(range(lo, lo + 1), slice(b, b + 1)) for lo in range(2) for b in range(2)]):
+        time.sleep(0.4)  # four pieces: 1.6 s in all, three times the sender's timeout_s
+        push(t, dest, data, [(layers, blocks)])
+        wait_until(lambda: pieces_written(loop, "long") == n + 1, what=f"piece {n} to land")
+    bounded(lambda: t.finish(7))
+    assert wait_for_final(loop, "long").finish_reason == "length"
+    wait_all_free(loop)
 
 
 def test_a_transfer_that_never_sends_is_released_by_the_lease(transport, decode_loop):
