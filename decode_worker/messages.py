@@ -19,6 +19,9 @@ class WorkerRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0  # time.time() when the router accepted it
+    # A migrated request (its first worker died): how many tokens earlier attempts generated and
+    # streamed. They end ``prompt_token_ids``, prefilled again; seeded draws continue after them.
+    num_generated: int = 0
 
 
 @dataclass

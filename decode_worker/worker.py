@@ -274,7 +274,8 @@ class EngineLoop:
         total = min(len(req.prompt_token_ids) + req.params.max_tokens, self.runner.max_model_len)
         self._check_fits(total)
         seq = Sequence(req.request_id, req.prompt_token_ids, req.params, self.runner.block_size,
-                       self.runner.device, arrival_time=req.arrival_time or time.time())
+                       self.runner.device, arrival_time=req.arrival_time or time.time(),
+                       num_generated=req.num_generated)
         self.seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
@@ -292,7 +293,8 @@ class EngineLoop:
         total = min(len(req.prompt_token_ids) + req.params.max_tokens, self.runner.max_model_len)
         self._check_fits(total)
         seq = Sequence(req.request_id, req.prompt_token_ids, req.params, self.runner.block_size,
-                       self.runner.device, arrival_time=req.arrival_time or time.time())
+                       self.runner.device, arrival_time=req.arrival_time or time.time(),
+                       num_generated=req.num_generated)
         seq.block_table.reserve(self.runner.allocator, len(req.prompt_token_ids))  # OutOfBlocks propagates
         self.reserved[req.request_id] = Reservation(seq, time.time() + self.config.kv_reserve_timeout_s)
         return list(seq.block_table.blocks)

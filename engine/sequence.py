@@ -27,7 +27,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
-                 device: str | torch.device = "cpu", arrival_time: float | None = None) -> None:
+                 device: str | torch.device = "cpu", arrival_time: float | None = None,
+                 num_generated: int = 0) -> None:
         self.request_id: str = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then every sampled token
@@ -44,6 +45,7 @@ class Sequence:
         self.num_preemptions: int = 0  # times its KV was dropped to make room for others
         self.transfer_s: float | None = None  # seconds its prompt's KV took to arrive from a prefill actor
         self.transfer_bytes: int = 0  # bytes of that KV that arrived
+        self.num_generated: int = num_generated  # tokens an earlier attempt generated (they end the prompt)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,11 +106,12 @@ class Sequence:
 
         Each draw depends only on the request's seed and the token's index, so a request samples
         the same tokens wherever its tokens are drawn: one worker, a prefill actor then a decode
-        actor, or after a preemption.
+        actor, after a preemption, or after a migration.
         """
         if self.generator is None:
             return None
-        self.generator.manual_seed((self.params.seed * 0x9E3779B1 + self.num_output_tokens) % (1 << 63))
+        index = self.num_generated + self.num_output_tokens
+        self.generator.manual_seed((self.params.seed * 0x9E3779B1 + index) % (1 << 63))
         return self.generator
 
     def append_token(self, token: int, logprob: float | None, eos_token_ids: set[int], max_model_len: int) -> str | None:

@@ -174,7 +174,7 @@ class PrefillEngine:
                 f"prompt needs {need} KV blocks; this prefill worker's pool holds {self.runner.allocator.num_blocks}"))
         else:
             seq = Sequence(req.request_id, req.prompt_token_ids, req.params, bs, self.runner.device,
-                           arrival_time=req.arrival_time or time.time())
+                           arrival_time=req.arrival_time or time.time(), num_generated=req.num_generated)
             task = _Task(req, dest, seq, fut)
             self.tasks[req.request_id] = task
             self.waiting.append(task)
