@@ -183,7 +183,8 @@ class EngineLoop:
                 sampled.append(s)
         try:
             logits = self.runner.execute(items)
-            tokens, logprobs = sample(logits, [s.params for s in sampled], [s.next_generator() for s in sampled]) if sampled else ([], None)
+            tokens, logprobs, failed = (sample(logits, [s.params for s in sampled], [s.next_generator() for s in sampled])
+                                        if sampled else ([], None, {}))
         except Exception as exc:  # a bug or a device error: fail this step's requests, keep serving
             logger.exception("step failed")
             for sch in out.scheduled:
@@ -192,8 +193,18 @@ class EngineLoop:
         self._count_step(out.num_tokens, num_decode, time.perf_counter() - t0)
         deltas = []
         for j, s in enumerate(sampled):
+            # Each sequence on its own: a failure here ends this sequence only, never its batch-mates.
+            if j in failed:
+                logger.warning("request %s: %s", s.request_id, failed[j])
+                self._finish(s, "error", error=failed[j])
+                continue
             lp = logprobs[j] if logprobs else None
-            reason = s.append_token(tokens[j], lp, self.runner.eos_token_ids, self.runner.max_model_len)
+            try:
+                reason = s.append_token(tokens[j], lp, self.runner.eos_token_ids, self.runner.max_model_len)
+            except Exception as exc:  # a bug in one sequence's stop checks
+                logger.exception("request %s: stop checks failed", s.request_id)
+                self._finish(s, "error", error=f"stop checks failed: {exc}")
+                continue
             delta = RequestDelta(s.request_id, [tokens[j]], [lp] if s.params.logprobs else None)
             if reason:
                 self._finish(s, reason, delta=delta)

@@ -40,8 +40,13 @@ def generate(
                     sampled.append(s)
             logits = runner.execute(items)
             if sampled:
-                tokens, logprobs = sample(logits, [s.params for s in sampled], [s.next_generator() for s in sampled])
+                tokens, logprobs, failed = sample(logits, [s.params for s in sampled],
+                                                  [s.next_generator() for s in sampled])
                 for j, s in enumerate(sampled):
+                    if j in failed:  # only this sequence ends; the others go on
+                        s.finish("error")
+                        s.block_table.release(alloc)
+                        continue
                     reason = s.append_token(tokens[j], logprobs[j] if logprobs else None,
                                             runner.eos_token_ids, runner.max_model_len)
                     if reason:

@@ -248,11 +248,15 @@ class PrefillEngine:
         hook = self._make_hook(plan)
         by_layer = self.config.kv_push == "layer"
         logits = self.runner.execute(items, layer_hook=hook if by_layer else None)
-        ends = []
+        ends, failed_tasks = [], []
         if finals:
-            tokens, logprobs = sample(logits, [t.seq.params for t in finals], [t.seq.next_generator() for t in finals])
+            tokens, logprobs, failed = sample(logits, [t.seq.params for t in finals],
+                                              [t.seq.next_generator() for t in finals])
             now = time.time()
             for j, t in enumerate(finals):
+                if j in failed:  # this prompt only: the others of the step go on
+                    failed_tasks.append((t, failed[j]))
+                    continue
                 lp = logprobs[j] if logprobs else None
                 t.future.set_result(FirstToken(
                     t.req.request_id, tokens[j], lp if t.seq.params.logprobs else None, len(t.seq.token_ids),
@@ -260,6 +264,10 @@ class PrefillEngine:
                 ))
                 self.running.remove(t)
                 ends.append((t, tokens[j], lp if t.seq.params.logprobs else None))
+        for t, error in failed_tasks:  # before the pushes below, so none of its blocks is sent
+            logger.warning("request %s: %s", t.req.request_id, error)
+            t.future.set_exception(RuntimeError(error))
+            self._fail(t, error, aborted=True)  # aborted: the push hook skips it
         if hook is not None and not by_layer:  # the same pieces, once the whole chunk is computed
             for layer in range(self.runner.model.num_layers):
                 hook(layer)

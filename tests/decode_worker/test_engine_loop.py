@@ -219,3 +219,20 @@ def test_counters_split_prefill_and_decode_work(tiny, make_loop, collect):
     assert c.num_steps >= 6
     assert c.prefill_step_s > 0 and c.decode_step_s > 0
     assert c.num_preemptions == 0
+
+
+def test_a_sequence_whose_sampling_fails_ends_alone(tiny, make_loop, collect):
+    """A sampling failure (here a NaN temperature that skipped validation) ends its own request
+    with "error"; its batch-mates in the same steps go on, token-identical to HF greedy."""
+    prompts = tiny.prompts([9, 14, 6], seed=6)
+    loop = make_loop()
+    out = collect(loop)
+    bad = SamplingParams(max_tokens=10, temperature=float("nan"), seed=3, ignore_eos=True)
+    loop.call(lambda: [loop._add(req("a", prompts[0], 12)), loop._add(WorkerRequest("bad", prompts[1], bad)),
+                       loop._add(req("c", prompts[2], 8))])  # one call: the three share their steps
+    out.wait_all(["a", "bad", "c"])
+    assert out.final["bad"].finish_reason == "error" and "sampling failed" in out.final["bad"].error
+    assert out.tokens["bad"] == []
+    assert out.tokens["a"] == tiny.greedy(prompts[0], 12)
+    assert out.tokens["c"] == tiny.greedy(prompts[2], 8)
+    assert_idle(loop)

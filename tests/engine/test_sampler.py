@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.offline import generate
 from pdserve.engine.sampler import make_generator, sample
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SAMPLING_EPS, SamplingParams
 
 VOCAB = 50
 
@@ -27,7 +27,8 @@ def draw(logits: torch.Tensor, params: SamplingParams) -> list[int]:
     tokens = []
     g = make_generator(params)
     for row in logits:
-        (t,), _ = sample(row[None], [params], [g])
+        (t,), _, failed = sample(row[None], [params], [g])
+        assert not failed
         tokens.append(t)
     return tokens
 
@@ -37,7 +38,8 @@ def draw(logits: torch.Tensor, params: SamplingParams) -> list[int]:
 
 def test_greedy_is_argmax():
     logits = random_logits(64)
-    tokens, logprobs = sample(logits, [SamplingParams()] * 64, [None] * 64)
+    tokens, logprobs, failed = sample(logits, [SamplingParams()] * 64, [None] * 64)
+    assert not failed
     assert tokens == logits.argmax(-1).tolist()
     assert logprobs is None  # nobody asked
 
@@ -45,7 +47,7 @@ def test_greedy_is_argmax():
 def test_greedy_rows_are_argmax_in_a_mixed_batch():
     logits = random_logits(8)
     params = [SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams() for i in range(8)]
-    tokens, _ = sample(logits, params, [make_generator(p) for p in params])
+    tokens, _, _ = sample(logits, params, [make_generator(p) for p in params])
     argmax = logits.argmax(-1).tolist()
     assert [tokens[i] for i in range(0, 8, 2)] == [argmax[i] for i in range(0, 8, 2)]
 
@@ -101,13 +103,62 @@ def test_logprobs_are_raw_log_softmax_at_the_chosen_token():
     logits = random_logits(6)
     params = [SamplingParams(logprobs=True), SamplingParams(temperature=0.5, top_k=5, seed=1, logprobs=True),
               SamplingParams(temperature=2.0, top_p=0.7, seed=2)] * 2
-    tokens, logprobs = sample(logits, params, [make_generator(p) for p in params])
+    tokens, logprobs, _ = sample(logits, params, [make_generator(p) for p in params])
     expected = torch.log_softmax(logits, -1)[torch.arange(6), torch.tensor(tokens)]
     assert logprobs is not None and len(logprobs) == 6
     assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-6)
     # the raw distribution, not the tempered/filtered one the token was drawn from
     tempered = torch.log_softmax(logits[1] / 0.5, -1)[tokens[1]]
     assert not math.isclose(logprobs[1], float(tempered), abs_tol=1e-3)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324, 9.9e-6])
+def test_temperatures_below_the_floor_are_greedy(temperature):
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert params.greedy and make_generator(params) is None
+    logits = random_logits(20, scale=100.0)
+    assert draw(logits, params) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [SAMPLING_EPS, 2e-5, 1e-3])
+def test_tiny_temperatures_above_the_floor_do_not_overflow(temperature):
+    """logits / T would overflow float32 for large logits; the sampler subtracts the max first."""
+    logits = random_logits(50, scale=1e4)
+    logits[:, 0] = 3e38  # near float32's largest: (logit / T) alone would be inf
+    assert draw(logits, SamplingParams(temperature=temperature, seed=2)) == logits.argmax(-1).tolist()
+
+
+def test_huge_temperature_samples_without_failing():
+    logits = random_logits(300)
+    drawn = draw(logits, SamplingParams(temperature=1e300, seed=4))
+    assert len(set(drawn)) > VOCAB // 2  # about uniform
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "all_masked"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_row_with_unusable_logits_fails_alone(poison, greedy):
+    logits = random_logits(6)
+    if poison == "nan":
+        logits[2, 7] = float("nan")
+    elif poison == "inf":
+        logits[2, 7] = float("inf")
+    else:
+        logits[2] = float("-inf")
+    params = [SamplingParams(temperature=0.0 if greedy else 0.8, seed=i, logprobs=True) for i in range(6)]
+    alone = [sample(logits[i:i + 1], [params[i]], [make_generator(params[i])]).tokens[0] for i in range(6)]
+    tokens, logprobs, failed = sample(logits, params, [make_generator(p) for p in params])
+    assert list(failed) == [2] and "non-finite" in failed[2]
+    assert [tokens[i] for i in range(6) if i != 2] == [alone[i] for i in range(6) if i != 2]
+    assert all(math.isfinite(logprobs[i]) for i in range(6) if i != 2)
+
+
+def test_a_row_whose_filters_leave_a_broken_distribution_fails_alone():
+    """Parameters that slipped past validation (NaN temperature) fail their own row only."""
+    logits = random_logits(3)
+    params = [SamplingParams(), SamplingParams(temperature=float("nan"), seed=1), SamplingParams(temperature=1.0, seed=2)]
+    tokens, _, failed = sample(logits, params, [make_generator(p) for p in params])
+    assert list(failed) == [1] and "sampling failed" in failed[1]
+    assert tokens[0] == int(logits[0].argmax())
 
 
 def test_make_generator_only_for_seeded_random_requests():
@@ -122,9 +173,10 @@ def test_make_generator_only_for_seeded_random_requests():
 
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.5),
-    ("temperature", -0.1), ("temperature", float("nan")),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", float("nan")),
-    ("top_k", -1), ("top_k", 2.5),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", float("-inf")), ("temperature", "1"),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", float("nan")), ("top_p", float("inf")),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True),
     ("seed", -1), ("seed", 2**63),
     ("stop_token_ids", [-1]), ("stop_token_ids", [5, "x"]), ("stop_token_ids", [VOCAB]),
 ])
@@ -153,6 +205,17 @@ def tiny(tiny_model):
 @pytest.fixture(scope="module")
 def runner(tiny):
     return tiny.runner(num_blocks=256, block_size=4)
+
+
+def test_a_sequence_whose_sampling_fails_ends_alone_with_error(runner, random_prompts):
+    prompts = random_prompts([9, 4, 13], seed=11)
+    good = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = [generate(runner, [p], good)[0].output_token_ids for p in prompts]
+    bad = SamplingParams(max_tokens=6, temperature=float("nan"), seed=1, ignore_eos=True)  # past validation
+    seqs = generate(runner, prompts, [good, bad, good])
+    assert seqs[1].finish_reason == "error" and seqs[1].output_token_ids == []
+    assert [seqs[0].output_token_ids, seqs[2].output_token_ids] == [alone[0], alone[2]]
+    assert runner.allocator.num_free == runner.allocator.num_blocks
 
 
 def test_seeded_request_is_independent_of_its_batch(runner, random_prompts):

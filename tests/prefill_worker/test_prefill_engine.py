@@ -359,3 +359,26 @@ def test_bad_destinations_are_refused_at_once(tiny, make_pd):
     fut.result(timeout=30)
     drain(lambda: pd.decode.take_outputs(0.2), {"dup"})
     assert_all_blocks_free(pd)
+
+
+def test_a_prompt_whose_sampling_fails_fails_alone(tiny, make_pd):
+    """Token #1 of one prompt cannot be sampled (a NaN temperature that skipped validation): that
+    prefill fails, the prompts prefilled beside it get their token #1 and decode as usual."""
+    pd = make_pd(max_num_batched_tokens=512)
+    prompts = tiny.prompts([7, 12, 9], seed=12)
+    bad = SamplingParams(max_tokens=NEW_TOKENS, temperature=float("nan"), seed=1, ignore_eos=True)
+    futures = {}
+    for i, p in enumerate(prompts):
+        req = WorkerRequest(f"s{i}", p, bad if i == 1 else greedy(), arrival_time=time.time())
+        blocks = pd.decode.reserve_kv(req)
+        futures[req.request_id] = pd.prefill.submit(req, KVDestination(pd.receiver.address, blocks))
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        futures["s1"].result(timeout=30)
+    pd.decode.abort("s1")  # what the router does when a prefill fails
+    firsts = {rid: futures[rid].result(timeout=30) for rid in ("s0", "s2")}
+    deltas = drain(lambda: pd.decode.take_outputs(0.2), {"s0", "s2"})
+    for i in (0, 2):
+        rid = f"s{i}"
+        got = [firsts[rid].token_id] + [t for d in deltas[rid] for t in d.token_ids]
+        assert got == tiny.greedy(prompts[i], NEW_TOKENS)
+    assert_all_blocks_free(pd)
