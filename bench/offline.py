@@ -300,13 +300,13 @@ def run_bench(model: str = "default", threads: int = 2, num_requests: int | None
                 "step_seconds": round(c["prefill_step_s"], 3),
                 "decode_tokens_in_these_steps": c["decode_tokens_in_prefill_steps"],
                 "tokens_per_s": round(prefill_rate, 1),
-                "fraction_of_compute_bound": round(prefill_rate * prefill_flops / rate, 4),
+                "fraction_of_compute_bound": _significant(prefill_rate * prefill_flops / rate),
             },
             "decode": {
                 "tokens": pure_decode,
                 "step_seconds": round(c["decode_step_s"], 3),
                 "tokens_per_s": round(decode_rate, 1),
-                "fraction_of_compute_bound": round(decode_rate * decode_flops / rate, 4),
+                "fraction_of_compute_bound": _significant(decode_rate * decode_flops / rate),
             },
         },
         "hf": {**side(theirs), "batch_size": hf_batch_size, "generated_tokens": theirs["generated_tokens"],
@@ -368,3 +368,9 @@ def format_table(r: dict) -> str:
         lines.append(f"peak memory: pdserve actor {describe_peak(o['peak_memory_bytes'], o['device'])}, "
                      f"HF process {describe_peak(h['peak_memory_bytes'])}")
     return "\n".join(lines)
+
+
+def _significant(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits: a tiny test model's fraction of the bound (1e-5)
+    must not round to 0."""
+    return float(f"{x:.{digits}g}")

@@ -117,6 +117,28 @@ def _field(body: dict, name: str, types: tuple, what: str) -> Any:
     return value
 
 
+def _not_unicode(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a JSON value that UTF-8 cannot encode (JSON lets a body
+    escape a lone surrogate, which protobuf strings refuse), or ``None``."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = _not_unicode(k, path or "the body") if isinstance(k, str) else None
+            found = found or _not_unicode(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _not_unicode(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def _check_unsupported(body: dict) -> None:
     for name, off in _UNSUPPORTED.items():
         if name in body and body[name] is not None and body[name] not in off:
@@ -397,6 +419,10 @@ class OpenAIFrontEnd:
                 raise ApiError(400, f"the body is not valid JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise ApiError(400, "the body must be a JSON object")
+            bad = _not_unicode(body)
+            if bad is not None:
+                raise ApiError(400, f"{bad} is not valid Unicode text: it holds a lone surrogate "
+                               "(an escape such as \\ud800 with no pair)", param=bad.split("[")[0].split(".")[0])
             name = body.get("model")
             if name not in (None, "", self.model):
                 raise self._unknown_model(str(name))

@@ -24,11 +24,11 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.admin import SERVICE_NAME as ADMIN_SERVICE_NAME
 from pdserve.router.admin import AdminService
 from pdserve.router.preprocess import Preprocessor
+from pdserve.router.request_parser import parse_generate_request
 from pdserve.router.service import GenerationService
 from pdserve.router.worker_pool import WorkerPool
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
-from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,26 @@ class RouterConfig:
     api_key: str | None = None  # required on both front ends (router/auth.py) when set
     tls_cert: str | None = None  # PEM certificate and key: both front ends serve TLS only
     tls_key: str | None = None
+
+
+def add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
+    """Register the Generation service as the generated ``add_GenerationServicer_to_server`` does, except
+    that requests are parsed with ``parse_generate_request``: a request with invalid UTF-8 (or
+    otherwise unparsable) reaches the service as a ``MalformedRequest``, answered INVALID_ARGUMENT
+    naming the field, where grpc's own deserializer failure would answer UNKNOWN."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=parse_generate_request,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            service.Complete, request_deserializer=parse_generate_request,
+            response_serializer=pb.CompleteResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetServerInfo, request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.ServerInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 MODES = ("colocated", "disaggregated")
@@ -146,7 +166,7 @@ class RouterServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ]
         )
-        pb_grpc.add_GenerationServicer_to_server(service, server)
+        add_generation_service(service, server)
         from pdserve.router.scaling import Scaler
 
         scaler = Scaler(self.pool, self._actor_factory) if self._actor_factory is not None else None

@@ -23,6 +23,7 @@ from pdserve.router.metrics import RequestObserver, RouterMetrics
 from pdserve.router.preprocess import InvalidRequest, Preprocessor
 from pdserve.router.stop import StopStringMatcher
 from pdserve.router.errors import NoWorkers, Overloaded, PrefillFailed, WorkerDied, WorkerRejected
+from pdserve.router.request_parser import MalformedRequest
 from pdserve.router.worker_pool import WorkerPool
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -130,6 +131,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _serve(self, request: pb.GenerateRequest, context,
                      obs: RequestObserver) -> AsyncIterator[pb.GenerateResponse]:
         t_arrival = time.monotonic()
+        if isinstance(request, MalformedRequest):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             prepared = self.preprocessor.prepare(request)
         except InvalidRequest as exc:

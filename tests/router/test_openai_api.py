@@ -149,6 +149,15 @@ def test_bad_requests_get_400_in_openai_shape(echo_router):
     base = f"http://127.0.0.1:{router.http_port}"
     r = httpx.post(f"{base}/v1/completions", content=b"{not json")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    # Invalid UTF-8 in the body, and JSON's escape of a lone surrogate (which no UTF-8 text holds).
+    r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "a\xffb"}')
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert "utf-8" in r.json()["error"]["message"]
+    for body, where in [(b'{"prompt": "a\\ud800b"}', "prompt"), (b'{"prompt": "x", "stop": ["\\udfff"]}', "stop[0]"),
+                        (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content")]:
+        r = httpx.post(f"{base}/v1/{'chat/' if b'messages' in body else ''}completions", content=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(f"{where} is not valid Unicode text"), r.text
     # The server took none of them, and still answers.
     assert client.completions.create(model="echo", prompt=[5, 6, 7], max_tokens=3).usage.completion_tokens == 3
 

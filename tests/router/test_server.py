@@ -232,6 +232,51 @@ def test_missing_input_is_rejected(server):
     assert "one of prompt, messages or token_ids must be set" in err.value.details()
 
 
+def _with_bad_utf8(request, placeholder: bytes) -> bytes:
+    """``request`` serialized, with one byte of ``placeholder`` (a string field's value) replaced by
+    0xff: the length prefixes stay right, only the text is not UTF-8 (no Python client can send it)."""
+    data = request.SerializeToString()
+    assert data.count(placeholder) == 1
+    return data.replace(placeholder, placeholder[:2] + b"\xff" + placeholder[3:])
+
+
+def _raw_call(address: str, method: str, data: bytes) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as ch:
+        call = ch.unary_unary(f"/pdserve.v1.Generation/{method}")  # no serializers: raw bytes
+        if method == "Generate":
+            call = ch.unary_stream(f"/pdserve.v1.Generation/{method}")
+        with pytest.raises(grpc.RpcError) as err:
+            reply = call(data, timeout=10)
+            list(reply) if method == "Generate" else reply
+    return err.value
+
+
+BAD_UTF8 = [
+    (dict(prompt="PLACEHOLDER"), "prompt"),
+    (dict(messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": "PLACEHOLDER"}]),
+     "messages[1].content"),
+    (dict(messages=[{"role": "PLACEHOLDER", "content": "hi"}]), "messages[0].role"),
+    (dict(prompt="hi", stop=["a", "PLACEHOLDER"]), "sampling.stop[1]"),
+    (dict(prompt="hi", request_id="PLACEHOLDER"), "request_id"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_UTF8, ids=[f for _, f in BAD_UTF8])
+@pytest.mark.parametrize("method", ["Generate", "Complete"])
+def test_invalid_utf8_in_a_string_field_is_invalid_argument_naming_it(server, kwargs, field, method):
+    from pdserve.client import build_request
+
+    err = _raw_call(server.address, method, _with_bad_utf8(build_request(**kwargs), b"PLACEHOLDER"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details().startswith(f"{field} (byte 2) is not valid UTF-8"), err.details()
+
+
+def test_bytes_that_are_no_request_are_invalid_argument(server):
+    err = _raw_call(server.address, "Complete", b"\xff\xff\xff\xff")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid pdserve.v1.GenerateRequest" in err.details()
+
+
 # ---- cancellation and deadlines --------------------------------------------------------------
 
 
