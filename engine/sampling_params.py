@@ -35,10 +35,10 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_finite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be finite and >= 0 (below {SAMPLING_EPS:g} means greedy), "
+            raise ValueError(f"temperature must be >= 0 and finite (below {SAMPLING_EPS:g} means greedy), "
                              f"got {self.temperature!r}")
         if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be finite and in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):

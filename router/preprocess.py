@@ -17,8 +17,23 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0
-MAX_REQUEST_ID_LEN = 256
+# Caps that bound the memory and CPU one request can claim before any check on its tokens. Each is
+# far above what a request that can run needs; docs/api.md lists them.
+MAX_REQUEST_ID_LEN = 256  # characters
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 1024  # characters, each stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096  # chat messages in one request
+# Text input (the prompt, or the messages' roles and contents together), in UTF-8 bytes: at least
+# MIN_PROMPT_BYTES, and PROMPT_BYTES_PER_TOKEN per token of context (no token of a usual
+# vocabulary covers more bytes), so text over the cap could never fit the context anyway.
+MIN_PROMPT_BYTES = 1 << 20
+PROMPT_BYTES_PER_TOKEN = 128
+
+
+def max_prompt_bytes(max_model_len: int) -> int:
+    """The cap on a request's text input for a model with this context length."""
+    return max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * max_model_len)
 
 
 class InvalidRequest(ValueError):
@@ -46,16 +61,22 @@ class Preprocessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_prompt_bytes = max_prompt_bytes(max_model_len)
 
     def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
         """Validate and tokenize ``request``; raise ``InvalidRequest`` on the first problem."""
         if len(request.request_id) > MAX_REQUEST_ID_LEN:
             raise InvalidRequest(
                 f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, "
-                f"got {len(request.request_id)}"
+                f"got {len(request.request_id)} (MAX_REQUEST_ID_LEN)"
             )
         s = request.sampling
         stop = self._check_stop(list(s.stop))
+        if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"sampling.stop_token_ids holds {len(s.stop_token_ids)} ids; at most "
+                f"{MAX_STOP_TOKEN_IDS} are allowed (MAX_STOP_TOKEN_IDS)"
+            )
         params = SamplingParams(
             max_tokens=DEFAULT_MAX_TOKENS,  # replaced below once the prompt length is known
             temperature=s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE,
@@ -75,13 +96,7 @@ class Preprocessor:
 
         prompt_ids = self._tokenize(request)
         n = len(prompt_ids)
-        room = self.max_model_len - n
-        if room < 1:
-            raise InvalidRequest(
-                f"the prompt is {n} tokens but the model's context (max_model_len) is "
-                f"{self.max_model_len} tokens and must also hold at least one output token: "
-                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
-            )
+        room = self._check_room(n)
         if s.HasField("max_tokens"):
             if s.max_tokens > room:
                 raise InvalidRequest(
@@ -101,11 +116,17 @@ class Preprocessor:
     def _check_stop(self, stop: list[str]) -> list[str]:
         if len(stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(
-                f"sampling.stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+                f"sampling.stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
+                f"(MAX_STOP_STRINGS)"
             )
         for i, s in enumerate(stop):
             if not s:
                 raise InvalidRequest(f"sampling.stop[{i}] must not be empty")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise InvalidRequest(
+                    f"sampling.stop[{i}] is {len(s)} characters; each stop string may be at most "
+                    f"{MAX_STOP_STRING_LEN} (MAX_STOP_STRING_LEN)"
+                )
         return stop
 
     def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
@@ -115,6 +136,7 @@ class Preprocessor:
         if kind == "prompt":
             if not request.prompt:
                 raise InvalidRequest("prompt must not be empty")
+            self._check_text_size("prompt", len(request.prompt.encode("utf-8")))
             ids = list(self.tokenizer.encode(request.prompt))
             if not ids:
                 raise InvalidRequest("prompt must not be empty (it tokenized to no tokens)")
@@ -124,6 +146,7 @@ class Preprocessor:
         ids = list(request.token_ids.ids)
         if not ids:
             raise InvalidRequest("token_ids must not be empty")
+        self._check_room(len(ids))  # before looking at each id: the list may be long
         for i, t in enumerate(ids):
             if not 0 <= t < self.vocab_size:
                 raise InvalidRequest(
@@ -131,12 +154,37 @@ class Preprocessor:
                 )
         return ids
 
+    def _check_room(self, n: int) -> int:
+        """The room a prompt of ``n`` tokens leaves for output; ``InvalidRequest`` when none."""
+        room = self.max_model_len - n
+        if room < 1:
+            raise InvalidRequest(
+                f"the prompt is {n} tokens but the model's context (max_model_len) is "
+                f"{self.max_model_len} tokens and must also hold at least one output token: "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
+            )
+        return room
+
+    def _check_text_size(self, name: str, num_bytes: int) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise InvalidRequest(
+                f"{name} is {num_bytes} bytes of UTF-8; at most {self.max_prompt_bytes} are allowed "
+                f"for this model (max_prompt_bytes: {PROMPT_BYTES_PER_TOKEN} per token of its "
+                f"{self.max_model_len}-token context, at least {MIN_PROMPT_BYTES}); it could not fit the context"
+            )
+
     def _render_chat(self, messages) -> list[int]:
         if not messages:
             raise InvalidRequest("messages must hold at least one message")
+        if len(messages) > MAX_MESSAGES:
+            raise InvalidRequest(
+                f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are allowed (MAX_MESSAGES)"
+            )
         for i, m in enumerate(messages):
             if not m.role:
                 raise InvalidRequest(f"messages[{i}].role must not be empty (e.g. 'user')")
+        self._check_text_size("messages", sum(len(m.role.encode("utf-8")) + len(m.content.encode("utf-8"))
+                                              for m in messages))
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(
                 "messages: this model has no chat template; send prompt or token_ids instead",

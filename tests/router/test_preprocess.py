@@ -7,7 +7,16 @@ import math
 import pytest
 
 from pdserve.client import build_request
-from pdserve.router.preprocess import DEFAULT_MAX_TOKENS, InvalidRequest, Preprocessor
+from pdserve.router.preprocess import (
+    DEFAULT_MAX_TOKENS,
+    MAX_MESSAGES,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_TOKEN_IDS,
+    MIN_PROMPT_BYTES,
+    InvalidRequest,
+    Preprocessor,
+    max_prompt_bytes,
+)
 
 VOCAB = 49152
 
@@ -81,6 +90,21 @@ BAD = [
     (dict(prompt="x", stop_token_ids=[VOCAB]), f"sampling.stop_token_ids must hold token ids in [0, {VOCAB})"),
     (dict(prompt="x", request_id="r" * 300), "request_id must be at most 256 characters, got 300"),
     (dict(token_ids=[5] * 300), "the prompt is 300 tokens but the model's context (max_model_len) is 300"),
+    (dict(prompt="x", temperature=math.inf), "sampling.temperature must be >= 0 and finite"),
+    (dict(prompt="x", temperature=-math.inf), "sampling.temperature must be >= 0 and finite"),
+    (dict(prompt="x", top_p=math.inf), "sampling.top_p must be in (0, 1], got inf"),
+    (dict(prompt="x", stop=["ok", "s" * (MAX_STOP_STRING_LEN + 1)]),
+     f"sampling.stop[1] is {MAX_STOP_STRING_LEN + 1} characters; each stop string may be at most "
+     f"{MAX_STOP_STRING_LEN} (MAX_STOP_STRING_LEN)"),
+    (dict(prompt="x", stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1)),
+     f"sampling.stop_token_ids holds {MAX_STOP_TOKEN_IDS + 1} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"),
+    (dict(messages=[{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)),
+     f"messages holds {MAX_MESSAGES + 1} messages; at most {MAX_MESSAGES} are allowed (MAX_MESSAGES)"),
+    (dict(prompt="é" * (MIN_PROMPT_BYTES // 2 + 1)),
+     f"prompt is {MIN_PROMPT_BYTES + 2} bytes of UTF-8; at most {MIN_PROMPT_BYTES} are allowed"),
+    (dict(messages=[{"role": "user", "content": "x" * (MIN_PROMPT_BYTES // 2)}] * 2),
+     f"messages is {MIN_PROMPT_BYTES + 8} bytes of UTF-8; at most {MIN_PROMPT_BYTES} are allowed"),
+    (dict(token_ids=[VOCAB] * 10_000), "the prompt is 10000 tokens but the model's context (max_model_len) is 300"),
     (dict(token_ids=[5] * 100, max_tokens=201),
      "sampling.max_tokens is 201 but the prompt is 100 tokens and the model's context "
      "(max_model_len) is 300 tokens: max_tokens must be in [1, 200] for this prompt"),
@@ -111,3 +135,15 @@ def test_a_model_without_chat_template_says_so(tokenizer):
         pre.prepare(build_request(messages=[{"role": "user", "content": "hi"}]))
     assert err.value.code == "FAILED_PRECONDITION"
     assert "no chat template" in str(err.value)
+
+
+def test_the_text_cap_grows_with_the_context_and_sits_above_what_can_fit(tokenizer):
+    assert max_prompt_bytes(300) == MIN_PROMPT_BYTES
+    assert max_prompt_bytes(1 << 17) == 128 << 17
+    # Text just under the cap is tokenized and refused for its length in tokens, not bytes:
+    # no token of the vocabulary covers 128 bytes.
+    longest = max(len(tokenizer.convert_tokens_to_string([t]).encode()) for t in tokenizer.get_vocab())
+    assert longest < 128
+    pre = Preprocessor(tokenizer, max_model_len=8192, vocab_size=VOCAB)
+    with pytest.raises(InvalidRequest, match="tokens but the model's context"):
+        pre.prepare(build_request(prompt=" " * MIN_PROMPT_BYTES))
