@@ -10,6 +10,7 @@ error), the request is closed on its workers.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 import uuid
@@ -38,6 +39,19 @@ FINISH_REASONS = {
 
 # Leave this much of the client's deadline to answer RESOURCE_EXHAUSTED before it expires.
 _DEADLINE_MARGIN_S = 0.05
+
+# A request up to this size (serialized) is tokenized on the loop; a larger one on a pool thread.
+INLINE_PREPARE_BYTES = 8 * 1024
+# Threads that tokenize large inputs: two let a small request pass one huge input being tokenized.
+TOKENIZER_THREADS = 2
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _tokenizer_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize")
+    return _pool
 
 
 class RequestFailed(Exception):
@@ -134,7 +148,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if isinstance(request, MalformedRequest):
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            prepared = self.preprocessor.prepare(request)
+            prepared = await self._prepare(request)
         except InvalidRequest as exc:
             raise RequestFailed(getattr(grpc.StatusCode, exc.code), str(exc)) from None
         request_id = uuid.uuid4().hex
@@ -209,6 +223,15 @@ class GenerationService(pb_grpc.GenerationServicer):
                     yield response
         finally:
             stream.close()
+
+    async def _prepare(self, request: pb.GenerateRequest):
+        """Tokenize and validate. A large input (a long prompt, a long chat to render) is handled on
+        a thread of the tokenizer pool, so the loop keeps streaming other requests meanwhile (the
+        tokenizer releases the GIL; template rendering yields it); a small one costs less inline
+        than the thread hop."""
+        if request.ByteSize() <= INLINE_PREPARE_BYTES:
+            return self.preprocessor.prepare(request)
+        return await asyncio.get_running_loop().run_in_executor(_tokenizer_pool(), self.preprocessor.prepare, request)
 
     def _is_stop_token(self, token: int, params) -> bool:
         """Whether ``token`` ends the request as a stop token: like vLLM, its id is returned but

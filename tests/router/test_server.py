@@ -277,6 +277,53 @@ def test_bytes_that_are_no_request_are_invalid_argument(server):
     assert "not a valid pdserve.v1.GenerateRequest" in err.details()
 
 
+def test_tokenizing_a_huge_prompt_does_not_stall_other_streams(server, monkeypatch):
+    """A prompt of almost 1 MiB takes about a second to tokenize. Meanwhile another request's
+    stream keeps flowing: tokenization runs off the router's loop. The same run with the prompt
+    tokenized on the loop shows the stall the test would catch."""
+    from pdserve.router import service
+
+    huge = ("The quick brown fox jumps over the lazy dog. " * 24000)[: (1 << 20) - 100]
+
+    def worst_gap_while_tokenizing() -> tuple[float, float]:
+        arrivals: list[float] = []
+        window: list[float] = []
+        with Client(server.address, timeout=60) as c:
+            stream = c.generate(token_ids=[1000, 1001, 1002], max_tokens=2000)
+            it = iter(stream)
+            for _ in range(5):
+                next(it)
+
+            def big() -> None:
+                window.append(time.monotonic())
+                with pytest.raises(RequestError) as err:  # tokenized, then refused for its length
+                    c.complete(huge)
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "tokens" in err.value.message
+                window.append(time.monotonic())
+
+            import threading
+
+            t = threading.Thread(target=big)
+            t.start()
+            for _ in it:
+                arrivals.append(time.monotonic())
+                if len(window) == 2:
+                    break
+            t.join()
+            stream.cancel()
+        start, end = window
+        inside = [a for a in arrivals if start <= a <= end + 0.05]
+        gaps = [b - a for a, b in zip([start] + inside, inside + [end])]
+        return max(gaps), end - start
+
+    gap, took = worst_gap_while_tokenizing()
+    assert took > 0.3, f"the huge prompt took only {took:.2f} s: too little to show a stall"
+    assert gap < 0.25, f"a {gap:.2f} s gap in the small request's stream while a huge prompt was tokenized"
+    monkeypatch.setattr(service, "INLINE_PREPARE_BYTES", 1 << 30)  # the control: tokenize on the loop
+    inline_gap, took = worst_gap_while_tokenizing()
+    assert inline_gap > min(0.3, took * 0.5), f"on the loop, the worst gap was only {inline_gap:.2f} s"
+
+
 # ---- cancellation and deadlines --------------------------------------------------------------
 
 
