@@ -26,3 +26,8 @@ class PrefillFailed(RuntimeError):
 def actor_reason(exc: BaseException) -> str:
     """The message of an exception raised in an actor, without Ray's traceback around it."""
     return str(getattr(exc, "cause", None) or exc)
+
+
+class TooLarge(RuntimeError):
+    """The request can never fit: prompt + max_tokens exceed every worker's KV cache, however long
+    it waits (INVALID_ARGUMENT: not worth a retry as sent)."""

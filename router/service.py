@@ -23,7 +23,7 @@ from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.metrics import RequestObserver, RouterMetrics
 from pdserve.router.preprocess import InvalidRequest, Preprocessor
 from pdserve.router.stop import StopStringMatcher
-from pdserve.router.errors import NoWorkers, Overloaded, PrefillFailed, WorkerDied, WorkerRejected
+from pdserve.router.errors import NoWorkers, Overloaded, PrefillFailed, TooLarge, WorkerDied, WorkerRejected
 from pdserve.router.request_parser import MalformedRequest
 from pdserve.router.worker_pool import WorkerPool
 from pdserve.v1 import generation_pb2 as pb
@@ -164,7 +164,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
         try:
             stream = await self.pool.submit(worker_request, timeout=self._queue_timeout(context))
-        except (Overloaded, NoWorkers, WorkerRejected) as exc:
+        except (Overloaded, NoWorkers, WorkerRejected, TooLarge) as exc:
             raise _failure(exc) from None
         t_placed = time.monotonic()
 
@@ -175,7 +175,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             while True:
                 try:
                     delta = await stream.next()
-                except (WorkerDied, NoWorkers, Overloaded, WorkerRejected, PrefillFailed) as exc:
+                except (WorkerDied, NoWorkers, Overloaded, WorkerRejected, PrefillFailed, TooLarge) as exc:
                     raise _failure(exc, running=True) from None
                 if delta.finish_reason == "error":
                     raise RequestFailed(
@@ -278,6 +278,8 @@ def _deadline_passed(context) -> bool:
 
 def _failure(exc: BaseException, running: bool = False) -> RequestFailed:
     """The gRPC status for a request the pool could not place or finish."""
+    if isinstance(exc, TooLarge):
+        return RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, Overloaded):
         return RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, (NoWorkers, WorkerDied)):

@@ -451,6 +451,17 @@ def test_a_request_too_big_for_any_kv_cache_is_refused(ray_session, tokenizer):
         ray.kill(worker)
 
 
+def test_a_request_that_can_never_fit_is_invalid_argument_not_a_retryable_code():
+    """The pool raises ``TooLarge`` for a request no worker's KV cache can ever hold: sent again, it
+    fails again, so it is INVALID_ARGUMENT (RESOURCE_EXHAUSTED tells a client to retry)."""
+    from pdserve.router.errors import Overloaded, TooLarge
+    from pdserve.router.service import _failure
+
+    failure = _failure(TooLarge("the request needs room for 70 tokens but the largest worker's KV cache holds 64"))
+    assert failure.code == grpc.StatusCode.INVALID_ARGUMENT and "70 tokens" in failure.message
+    assert _failure(Overloaded("no room yet")).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_worker_death_fails_its_requests_with_unavailable(ray_session, tokenizer):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
