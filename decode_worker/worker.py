@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from pdserve.decode_worker.aborts import EarlyAborts
 from pdserve.decode_worker.messages import EngineCounters, RequestDelta, WorkerRequest, WorkerStats
 from pdserve.decode_worker.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.config import EngineConfig
@@ -36,6 +37,10 @@ from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import start_receiver
 
 logger = logging.getLogger(__name__)
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before it reached this worker; nothing was started or reserved."""
 
 
 @dataclass
@@ -88,6 +93,7 @@ class EngineLoop:
         self.scheduler = Scheduler(config.scheduler, self.runner.allocator, self.runner.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self.reserved: dict[str, Reservation] = {}
+        self.early_aborts = EarlyAborts()  # aborts that overtook their request
         self._inbox: deque[Callable[[], None]] = deque()
         self._outbox: list[RequestDelta] = []
         self._cv = threading.Condition()
@@ -280,6 +286,10 @@ class EngineLoop:
             )
 
     def _add(self, req: WorkerRequest) -> None:
+        if self.early_aborts.take(req.request_id):  # its abort overtook it: never start it
+            self._emit([RequestDelta(req.request_id, [], finish_reason="abort",
+                                     error="aborted before the request reached the worker")])
+            return
         if req.request_id in self.seqs or req.request_id in self.reserved:
             raise ValueError(f"request id {req.request_id!r} is already in use on this worker")
         total = min(len(req.prompt_token_ids) + req.params.max_tokens, self.runner.max_model_len)
@@ -295,10 +305,14 @@ class EngineLoop:
             self._fail_reservation(request_id, "aborted", reason="abort")
             return
         seq = self.seqs.get(request_id)
-        if seq is not None and not seq.is_finished:
+        if seq is None:
+            self.early_aborts.remember(request_id)  # its request may still be on its way
+        elif not seq.is_finished:
             self._finish(seq, "abort")
 
     def _reserve(self, req: WorkerRequest) -> list[int]:
+        if self.early_aborts.take(req.request_id):
+            raise RequestAborted(f"request {req.request_id!r} was aborted before its reservation arrived")
         if req.request_id in self.seqs or req.request_id in self.reserved:
             raise ValueError(f"request id {req.request_id!r} is already in use on this worker")
         total = min(len(req.prompt_token_ids) + req.params.max_tokens, self.runner.max_model_len)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.decode_worker.aborts import EarlyAborts
 from pdserve.decode_worker.messages import WorkerRequest, WorkerStats
 from pdserve.engine.block_allocator import OutOfBlocks
 from pdserve.engine.config import EngineConfig
@@ -97,6 +98,7 @@ class PrefillEngine:
         self.waiting: deque[_Task] = deque()
         self.running: list[_Task] = []
         self.tasks: dict[str, _Task] = {}
+        self.early_aborts = EarlyAborts()  # aborts that overtook their request
         self._inbox: deque = deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -163,7 +165,9 @@ class PrefillEngine:
     def _add(self, req: WorkerRequest, dest: KVDestination, fut: concurrent.futures.Future) -> None:
         bs = self.runner.block_size
         need = -(-len(req.prompt_token_ids) // bs)
-        if req.request_id in self.tasks:
+        if self.early_aborts.take(req.request_id):  # its abort overtook it: never start it
+            fut.set_exception(concurrent.futures.CancelledError("aborted before the request reached the worker"))
+        elif req.request_id in self.tasks:
             fut.set_exception(ValueError(f"request id {req.request_id!r} is already being prefilled here"))
         elif len(dest.block_ids) != need:
             fut.set_exception(ValueError(
@@ -183,6 +187,8 @@ class PrefillEngine:
         t = self.tasks.get(request_id)
         if t is not None:
             self._fail(t, "aborted", aborted=True)
+        else:
+            self.early_aborts.remember(request_id)  # its request may still be on its way
 
     def _release(self, t: _Task) -> None:
         self.tasks.pop(t.req.request_id, None)

@@ -236,3 +236,38 @@ def test_a_sequence_whose_sampling_fails_ends_alone(tiny, make_loop, collect):
     assert out.tokens["a"] == tiny.greedy(prompts[0], 12)
     assert out.tokens["c"] == tiny.greedy(prompts[2], 8)
     assert_idle(loop)
+
+
+def test_an_abort_that_overtakes_its_request_leaves_no_orphan(tiny, make_loop, collect):
+    """The actor runs calls on several threads, so ``abort(id)`` can arrive before the
+    ``add_request``/``reserve_kv`` sent just before it. The request that turns up later never runs
+    and holds nothing."""
+    from pdserve.decode_worker.worker import RequestAborted
+
+    prompt = tiny.prompts([10], seed=7)[0]
+    loop = make_loop()
+    out = collect(loop)
+    loop.abort("late")
+    loop.add_request(req("late", prompt, 50))
+    loop.abort("late-kv")
+    with pytest.raises(RequestAborted, match="aborted before its reservation arrived"):
+        loop.reserve_kv(req("late-kv", prompt, 50))
+    loop.add_request(req("normal", prompt, 5))  # an id aborted early is dropped once, not blocked forever
+    out.wait_all(["late", "normal"])
+    assert out.final["late"].finish_reason == "abort" and out.tokens["late"] == []
+    assert out.tokens["normal"] == tiny.greedy(prompt, 5)
+    assert_idle(loop)
+    assert len(loop.early_aborts) == 0
+
+
+def test_early_aborts_are_bounded_and_expire():
+    from pdserve.decode_worker.aborts import EarlyAborts
+
+    ids = EarlyAborts(ttl_s=10.0, max_ids=3)
+    for i in range(5):
+        ids.remember(f"r{i}", now=float(i))
+    assert len(ids) == 3  # the oldest two went
+    assert not ids.take("r0", now=5.0) and ids.take("r2", now=5.0) and not ids.take("r2", now=5.0)
+    assert not ids.take("r3", now=13.5)  # expired at 13
+    assert ids.take("r4", now=13.5)
+    assert len(ids) == 0

@@ -9,6 +9,7 @@ output must be token-identical to Hugging Face ``generate()`` and to the colocat
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import threading
 import time
@@ -381,4 +382,21 @@ def test_a_prompt_whose_sampling_fails_fails_alone(tiny, make_pd):
         rid = f"s{i}"
         got = [firsts[rid].token_id] + [t for d in deltas[rid] for t in d.token_ids]
         assert got == tiny.greedy(prompts[i], NEW_TOKENS)
+    assert_all_blocks_free(pd)
+
+
+def test_an_abort_that_overtakes_its_prefill_leaves_no_orphan(tiny, make_pd):
+    pd = make_pd()
+    prompt = tiny.prompts([20], seed=13)[0]
+    pd.prefill.abort("late")  # before its prefill arrives
+    req = WorkerRequest("late", prompt, greedy(), arrival_time=time.time())
+    blocks = pd.decode.reserve_kv(req)
+    with pytest.raises(concurrent.futures.CancelledError):
+        pd.prefill.submit(req, KVDestination(pd.receiver.address, blocks)).result(timeout=30)
+    pd.decode.abort("late")
+    ok = WorkerRequest("ok", prompt, greedy(), arrival_time=time.time())
+    first = pd.prefill.submit(ok, KVDestination(pd.receiver.address, pd.decode.reserve_kv(ok))).result(timeout=30)
+    deltas = drain(lambda: pd.decode.take_outputs(0.2), {"ok"})
+    assert [first.token_id] + [t for d in deltas["ok"] for t in d.token_ids] == tiny.greedy(prompt, NEW_TOKENS)
+    assert pd.prefill.stats().num_running == 0 and pd.prefill.stats().num_waiting == 0
     assert_all_blocks_free(pd)
