@@ -91,6 +91,9 @@ def add_parser(sub) -> None:
     p.add_argument("--metrics-port", type=_port_or_off, default=None, metavar="PORT",
                    help=f"serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port, 'off' "
                    f"disables (default {DEFAULT_METRICS_PORT}; a free port when --port is 0)")
+    p.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                   help="times a request may move to a healthy worker after its worker died or its KV "
+                   "transfer failed, before it fails with UNAVAILABLE (default 3; 0: never)")
     p.add_argument("--http-port", type=_port_or_off, default=None, metavar="PORT",
                    help=f"serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
                    f"/health, /metrics) on HOST:PORT; 0 picks a free port, 'off' disables (default "
@@ -101,6 +104,10 @@ def add_parser(sub) -> None:
     p.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve both APIs over TLS with this certificate (chain); needs --tls-key")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="disaggregated mode: the cluster secret that authenticates the KV plane between "
+                   "prefill and decode actors (hex, or raw bytes; at least 16 bytes); default: "
+                   "$PDSERVE_CLUSTER_SECRET (hex), else a fresh random one per server")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level of the server process; 'info' logs one line per finished request "
                    "(default info)")
@@ -149,6 +156,8 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         _merge_role_resources(args, "decode")
     except ResourceSpecError as exc:
         return str(exc)
+    if getattr(args, "migration_limit", 0) < 0:
+        return f"--migration-limit must be >= 0; got {args.migration_limit}"
     if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):
         return "--tls-cert and --tls-key go together: give both, or neither"
     for flag in ("tls_cert", "tls_key"):
@@ -235,6 +244,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ray.init(address=args.address, namespace=RAY_NAMESPACE)
         else:
             ray.init(address="local", include_dashboard=False, namespace=RAY_NAMESPACE)
+    if args.mode == "disaggregated":
+        try:  # before any actor starts: a bad secret file stops the server at once
+            cluster_secret(args)
+        except (OSError, ValueError) as exc:
+            return fail(f"cannot read the cluster secret: {exc}")
     workers: list = []
     prefill_workers: list = []
     factory = None
@@ -282,14 +296,27 @@ def actor_factory(args: argparse.Namespace):
     if args.mode == "disaggregated":
         from pdserve.prefill_worker.worker import PrefillConfig
 
-        configs = {"decode": WorkerConfig(engine=_engine_config(args), transport=args.transport),
-                   "prefill": PrefillConfig(engine=_engine_config(args), transport=args.transport,
+        secret = cluster_secret(args)  # one per server; every actor it starts (scaled, replaced) gets it
+        configs = {"decode": WorkerConfig(engine=_engine_config(args), transport=args.transport, cluster_secret=secret),
+                   "prefill": PrefillConfig(engine=_engine_config(args), transport=args.transport, cluster_secret=secret,
                                             **({"kv_push": args.kv_push} if getattr(args, "kv_push", None) else {}))}
         resources = {"decode": _role(args, "decode"), "prefill": _role(args, "prefill")}
     else:
         configs = {"colocated": WorkerConfig(engine=_engine_config(args))}
         resources = {"colocated": _role(args, "decode")}
     return ActorFactory(configs, resources, resource_wait_s=args.resource_wait, name=args.name)
+
+
+def cluster_secret(args: argparse.Namespace) -> bytes:
+    """The server's cluster secret (``kv_transfer.auth``): from ``--cluster-secret-file``, else
+    ``$PDSERVE_CLUSTER_SECRET``, else generated; loaded once and kept on ``args``. Never printed."""
+    from pdserve.kv_transfer.auth import load_cluster_secret
+
+    secret = getattr(args, "cluster_secret", None)
+    if secret is None:
+        secret, _ = load_cluster_secret(getattr(args, "cluster_secret_file", None))
+        args.cluster_secret = secret
+    return secret
 
 
 def _role(args: argparse.Namespace, role: str):
@@ -349,6 +376,7 @@ async def _serve(args: argparse.Namespace, workers: list, tokenizer, prefill_wor
         max_inflight_per_worker=args.max_inflight, max_queued_requests=args.max_queued,
         queue_timeout_s=args.queue_timeout, metrics_port=None if metrics_port == "off" else metrics_port,
         http_port=None if http_port == "off" else http_port, api_key=api_key,
+        migration_limit=args.migration_limit,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
     ), prefill_workers=list(prefill_workers) or None, actor_factory=factory)
     try:

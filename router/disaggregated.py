@@ -67,12 +67,20 @@ class DisaggregatedFlow:
     async def submit(self, request: WorkerRequest, timeout: float | None) -> RequestStream:
         """Reserve the prompt's blocks on a decode worker, start the prefill in the background
         and return the stream (token #1 will be its first delta)."""
-        self.choose_prefill(request)  # fail now, not after reserving, when no prefill worker can take it
+        if not self.pool.replacing("prefill"):
+            self.choose_prefill(request)  # fail now, not after reserving, when no prefill worker can take it
         deadline = None if timeout is None else time.monotonic() + timeout
-        stream = RequestStream(self.pool.close_stream, request.request_id, disaggregated=True)
+        stream = RequestStream(self.pool.close_stream, request, disaggregated=True)
         blocks = await self._reserve(stream, request, deadline)
         stream.prefill_task = self.pool.spawn(self._run_prefill(stream, request, blocks, timeout))
         return stream
+
+    async def resume(self, stream: RequestStream, request: WorkerRequest, timeout: float | None) -> None:
+        """A migrating request's next attempt (``request``: prompt + tokens streamed so far):
+        reserve, then prefill; its token #1 is the stream's next token."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        blocks = await self._reserve(stream, request, deadline)
+        await self._run_prefill(stream, request, blocks, timeout)
 
     def choose_prefill(self, request: WorkerRequest) -> "Worker":
         """The prefill worker for ``request`` (``placement.choose_prefill_worker``)."""
@@ -107,7 +115,8 @@ class DisaggregatedFlow:
                 continue
             except asyncio.CancelledError:
                 pool.forget(stream)
-                stream.advance(S.ABORTED)
+                if stream.state is S.WAITING:  # (a migration that cancels it has moved it on)
+                    stream.advance(S.ABORTED)
                 # The reservation may land after this: release it once the call has answered.
                 pool.spawn(pool.abort_after(ref, worker, request.request_id))
                 raise
@@ -146,7 +155,7 @@ class DisaggregatedFlow:
                 return
             decode = stream.worker
             try:
-                prefill = self.choose_prefill(request)
+                prefill = await self._wait_for_prefill(request, timeout)
             except (NoWorkers, Overloaded) as exc:
                 await self._fail_reserved(stream, exc)
                 return
@@ -180,10 +189,13 @@ class DisaggregatedFlow:
 
             # The prefill worker died before answering.
             if stream.state is not S.PREFILLING:
-                # The decode worker got token #1 with the KV cache and went on (or the request
-                # ended meanwhile), but the client never got token #1: the request cannot go on.
-                await self._fail_reserved(stream, WorkerDied(
-                    f"prefill worker {prefill.name} died before it reported token #1"))
+                # The decode worker got token #1 with the KV cache and went on, but the client
+                # never got token #1 (it was in the dead worker's answer): start over elsewhere.
+                cause = f"prefill worker {prefill.name} died before it reported token #1"
+                if stream.ended:
+                    await self._fail_reserved(stream, WorkerDied(cause))
+                else:
+                    pool.migrate(stream, cause)
                 return
             logger.warning("request %s: prefill worker %s died; retrying on another", stream.request_id, prefill.name)
             stream.advance(S.WAITING)
@@ -202,6 +214,19 @@ class DisaggregatedFlow:
                 stream.fail(exc)
                 return
 
+    async def _wait_for_prefill(self, request: WorkerRequest, timeout: float | None) -> "Worker":
+        """``choose_prefill``, waiting (up to ``timeout``) while a dead prefill worker is being
+        replaced and none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self.choose_prefill(request)
+            except NoWorkers:
+                if not self.pool.replacing("prefill"):
+                    raise
+            await self.pool.admission.wait(deadline, "no prefill worker came back for as long as the request "
+                                           "could wait; retry later", poll_s=0.5)
+
     async def _fail_reserved(self, stream: RequestStream, exc: BaseException) -> None:
         """End a request whose prefill failed: its reservation goes back, then the client gets
         ``exc`` (so an error the client sees means the blocks are already free)."""
@@ -214,8 +239,9 @@ class DisaggregatedFlow:
 
     async def explain_transfer_failure(self, stream: RequestStream, delta: RequestDelta) -> None:
         """The decode worker failed a request before decoding a token of its own: the KV
-        transfer failed. If the prefill worker died meanwhile, say so (the client may retry);
-        else pass on the decode worker's error."""
+        transfer failed. If token #1 had not come out and the prefill worker died, its own call
+        retries it; otherwise the request migrates (prompt and token #1 are prefilled again),
+        the cause naming the prefill worker's death or the decode worker's error."""
         pool = self.pool
         prefill = stream.prefill_worker
         attempt = stream.request_id
@@ -233,7 +259,6 @@ class DisaggregatedFlow:
         if dead and stream.state is S.PREFILLING:
             return  # token #1 never came out: _run_prefill sees the death and retries
         if dead:
-            stream.fail(WorkerDied(f"prefill worker {prefill.name} died while sending this request's KV cache"))
+            pool.migrate(stream, f"prefill worker {prefill.name} died while sending this request's KV cache")
         else:
-            stream.push(delta)
-            stream.advance(S.FAILED)
+            pool.migrate(stream, f"the KV transfer failed: {delta.error or 'unknown error'}")

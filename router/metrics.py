@@ -96,6 +96,13 @@ class RouterMetrics:
                                 ("mode", "status", "finish_reason"), registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests that passed validation.",
                                      ("mode",), registry=r)
+        self.migrations = Counter("pdserve_request_migrations",
+                                  "Requests moved to another worker after theirs died or their KV transfer failed.",
+                                  ("mode",), registry=r)
+        self.replacement_time = Histogram("pdserve_worker_replacement_seconds",
+                                          "From a worker's death being noticed to its replacement serving.",
+                                          ("mode", "role"), buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300),
+                                          registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens sent to clients.",
                                          ("mode",), registry=r)
         router_waiting = Gauge("pdserve_router_requests_waiting",
@@ -118,6 +125,14 @@ class RouterMetrics:
         self.generation_tokens.labels(mode)
 
     # ---- lifecycle -------------------------------------------------------------------------------
+
+    def migrated(self) -> None:
+        """The pool moved a request to another worker."""
+        self.migrations.labels(self.mode).inc()
+
+    def replaced(self, role: str, seconds: float) -> None:
+        """The pool replaced a dead ``role`` worker, ``seconds`` after noticing its death."""
+        self.replacement_time.labels(self.mode, role).observe(seconds)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The router's event loop: scrapes refresh the workers' stats on it."""

@@ -7,6 +7,10 @@ colocated mode a request goes from ``WAITING`` straight to ``DECODING`` (its wor
 phases). It ends ``DONE`` (the worker sent its last token), ``ABORTED`` (the router ended it
 first: the client went away, or a stop string matched) or ``FAILED``.
 
+A request whose worker dies, or whose KV transfer fails after token #1, is ``MIGRATING``: it
+continues on a healthy worker from the tokens already streamed (its prompt and those tokens are
+prefilled again), back through ``RESERVED`` (disaggregated) or ``DECODING`` (colocated).
+
 Invariant: a request in an end state holds nothing on any worker. Whoever moves it there has
 freed (or asked the workers to free) what it held, so closing an ended request does nothing more.
 """
@@ -22,6 +26,7 @@ class RequestState(enum.Enum):
     PREFILLING = "prefilling"  # a prefill worker computes the prompt and pushes its KV cache
     PUSHING = "pushing"  # token #1 is out; the KV cache has not all reached the decode worker
     DECODING = "decoding"  # its decode (or colocated) worker generates
+    MIGRATING = "migrating"  # its worker failed it: it moves to a healthy one, from the tokens streamed
     DONE = "done"
     ABORTED = "aborted"
     FAILED = "failed"
@@ -41,18 +46,26 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
         S.DECODING,  # colocated: handed to a worker
         S.FAILED, S.ABORTED,
     }),
-    S.RESERVED: frozenset({S.PREFILLING, S.FAILED, S.ABORTED}),
+    S.RESERVED: frozenset({S.PREFILLING, S.MIGRATING, S.FAILED, S.ABORTED}),
     S.PREFILLING: frozenset({
         S.PUSHING,  # the prefill worker answered with token #1
         S.DECODING,  # the decode worker's first token overtook that answer
         S.DONE,  # ... or its end, for a one-token request
         S.WAITING,  # the prefill worker died before token #1: reserve and prefill again
+        S.MIGRATING,  # the decode worker died
         S.FAILED, S.ABORTED,
     }),
-    S.PUSHING: frozenset({S.DECODING, S.DONE, S.FAILED, S.ABORTED}),
+    S.PUSHING: frozenset({S.DECODING, S.DONE, S.MIGRATING, S.FAILED, S.ABORTED}),
     S.DECODING: frozenset({
         S.DONE,
         S.WAITING,  # colocated: the worker died before it took the request; place it again
+        S.MIGRATING,
+        S.FAILED, S.ABORTED,
+    }),
+    S.MIGRATING: frozenset({
+        S.RESERVED,  # disaggregated: a decode worker reserved blocks for prompt + tokens so far
+        S.DECODING,  # colocated: handed to a healthy worker
+        S.DONE,  # every token was out already: only the end was missing
         S.FAILED, S.ABORTED,
     }),
     S.DONE: frozenset(),

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pdserve.decode_worker.messages import RequestDelta
+from pdserve.decode_worker.messages import RequestDelta, WorkerRequest
 from pdserve.router.request_state import RequestState, check_transition
 
 if TYPE_CHECKING:
@@ -28,13 +28,18 @@ class RequestStream:
     ``push``, ``deliver_first`` and ``fail`` and moves its state with ``advance``.
     """
 
-    def __init__(self, on_close: Any, request_id: str, *, disaggregated: bool = False):
+    def __init__(self, on_close: Any, request: WorkerRequest, *, disaggregated: bool = False):
         self._on_close = on_close  # the pool's close_stream
-        self.request_id = request_id
+        self.request = request  # as the client sent it: a migration derives its next attempt from it
+        self.request_id = request.request_id  # the current attempt's id on its workers
         self.state = RequestState.WAITING
         self.worker: Worker | None = None
+        self.disaggregated = disaggregated
         self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._held: list[RequestDelta] | None = [] if disaggregated else None
+        self.delivered: list[int] = []  # token ids queued for the consumer, in order, every attempt
+        self.migrations = 0  # attempts started after a worker failed it
+        self.migration_task: asyncio.Task | None = None
         # Disaggregated mode only:
         self.prefill_worker: Worker | None = None
         self.prefill_task: asyncio.Task | None = None
@@ -77,7 +82,11 @@ class RequestStream:
         if self._held is not None:
             self._held.append(delta)
         else:
-            self._queue.put_nowait(delta)
+            self._deliver(delta)
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        self.delivered += delta.token_ids
+        self._queue.put_nowait(delta)
 
     def fail(self, exc: BaseException) -> None:
         """End the request with ``exc`` for the consumer (never held back). The caller has freed
@@ -90,13 +99,13 @@ class RequestStream:
         """Token #1 is in (from the prefill worker): queue it, then what the decode worker sent
         meanwhile."""
         self.prefill_timings = dict(timings)
-        self._queue.put_nowait(delta)
+        self._deliver(delta)
         held, self._held = self._held or [], None
         for item in held:
-            self._queue.put_nowait(item)
+            self._deliver(item)
 
     def restart(self, request_id: str) -> None:
-        """A new attempt under a new id (its prefill worker died before token #1): whatever the
-        old attempt's decode worker sent is dropped."""
+        """A new attempt under a new id (its prefill worker died before token #1, or a migration):
+        whatever the old attempt's workers sent and the consumer has not got is dropped."""
         self.request_id = request_id
-        self._held = []
+        self._held = [] if self.disaggregated else None

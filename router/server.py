@@ -65,6 +65,7 @@ class RouterConfig:
     api_key: str | None = None  # required on both front ends (router/auth.py) when set
     tls_cert: str | None = None  # PEM certificate and key: both front ends serve TLS only
     tls_key: str | None = None
+    migration_limit: int = 3  # times a request may move to another worker after its worker failed it
 
 
 def add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
@@ -122,10 +123,14 @@ class RouterServer:
             max_inflight_per_worker=self.config.max_inflight_per_worker,
             max_waiting=self.config.max_queued_requests,
             on_change=self._workers_changed,
+            migration_limit=self.config.migration_limit,
+            migration_timeout_s=self.config.queue_timeout_s,
+            start_worker=self._start_worker if actor_factory is not None else None,
         )
         self.metrics = RouterMetrics(
             self.pool, self.config.mode, self.config.transport if disaggregated else "none",
             model=self.config.model, version=_version())
+        self.pool.observer = self.metrics
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self._http = None  # openai_api.OpenAIFrontEnd
@@ -235,6 +240,11 @@ class RouterServer:
     async def wait_for_termination(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+    async def _start_worker(self, role: str) -> list:
+        """One new actor of ``role``, started by the actor factory (it replaces a dead one)."""
+        handles, _ = await asyncio.to_thread(self._actor_factory.start, role, 1)
+        return handles
 
     def _workers_changed(self, can_serve: bool) -> None:
         if self._server is not None:

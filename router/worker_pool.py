@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable
 
 from ray.exceptions import RayActorError
 
@@ -94,6 +94,9 @@ class WorkerPool:
         stats_ttl_s: float = 0.05,
         stats_timeout_s: float = 2.0,
         on_change: Callable[[bool], None] | None = None,
+        migration_limit: int = 3,
+        migration_timeout_s: float = 30.0,
+        start_worker: Callable[[str], Awaitable[list]] | None = None,
     ):
         if not actors:
             raise ValueError("a worker pool needs at least one worker actor")
@@ -115,6 +118,14 @@ class WorkerPool:
         self._background: set[asyncio.Task] = set()
         self._flow = None  # disaggregated.DisaggregatedFlow, made in start()
         self.model_info: dict = {}
+        # Failure: a request whose worker fails it moves to another at most `migration_limit`
+        # times, each waiting at most `migration_timeout_s` for room; with `start_worker` (a
+        # coroutine function: role -> started actors), a dead worker is replaced.
+        self.migration_limit = migration_limit
+        self.migration_timeout_s = migration_timeout_s
+        self.start_worker = start_worker
+        self._replacing: dict[str, int] = {}  # role -> replacements under way
+        self.observer: Any = None  # RouterMetrics: migrated(), replaced()
 
     @property
     def polled_role(self) -> str:
@@ -273,9 +284,13 @@ class WorkerPool:
         """
         if self._flow is not None:
             return await self._flow.submit(request, timeout)
+        stream = RequestStream(self.close_stream, request)
+        await self._start_colocated(stream, request, None if timeout is None else time.monotonic() + timeout)
+        return stream
+
+    async def _start_colocated(self, stream: RequestStream, request: WorkerRequest, deadline: float | None) -> None:
+        """Hand ``request`` (``stream``'s current attempt) to a colocated worker with room."""
         num_tokens = len(request.prompt_token_ids) + request.params.max_tokens
-        deadline = None if timeout is None else time.monotonic() + timeout
-        stream = RequestStream(self.close_stream, request.request_id)
         while True:
             worker = await self.place(num_tokens, deadline)
             # Register before sending: the first delta may come back before the call returns.
@@ -286,6 +301,8 @@ class WorkerPool:
             except RayActorError as exc:
                 self.forget(stream)
                 self.mark_dead(worker, exc)
+                if stream.state is not S.DECODING:
+                    return  # the worker's death reached the stream first: it migrates, or failed
                 stream.advance(S.WAITING)
                 continue  # try another worker
             except asyncio.CancelledError:
@@ -295,7 +312,7 @@ class WorkerPool:
                 self.forget(stream)
                 stream.advance(S.FAILED)
                 raise WorkerRejected(f"worker {worker.name} rejected the request: {actor_reason(exc)}") from exc
-            return stream
+            return
 
     async def place(self, num_tokens: int, deadline: float | None) -> Worker:
         """A (decode or colocated) worker with room for ``num_tokens`` (prompt + max_tokens),
@@ -303,6 +320,10 @@ class WorkerPool:
         while True:
             await self._refresh_stats()
             alive = self.serving(self.polled_role)
+            if not alive and self.replacing(self.polled_role):
+                await self.admission.wait(deadline, "no worker came back for as long as the request could wait; "
+                                          "retry later", poll_s=0.5)
+                continue
             if not alive:
                 raise NoWorkers("no worker is available" if not self.disaggregated
                                 else "no decode worker is available")
@@ -350,8 +371,9 @@ class WorkerPool:
         """``RequestStream.close``: a request the consumer is done with. Unless it had ended, it
         is aborted on its workers (the calls are sent now, even from a handler being cancelled;
         only their answers are awaited later)."""
-        if stream.prefill_task is not None and not stream.prefill_task.done():
-            stream.prefill_task.cancel()  # aborts the prefill if it is waiting for one
+        for task in (stream.prefill_task, stream.migration_task):
+            if task is not None and not task.done():
+                task.cancel()  # aborts the prefill if it is waiting for one
         if stream.ended:
             self.forget(stream)
             return
@@ -438,9 +460,10 @@ class WorkerPool:
     # ---- worker death and scaling ----------------------------------------------------------
 
     def mark_dead(self, w: Worker, exc: BaseException) -> None:
-        """``w``'s actor is gone: it leaves placement and the requests it had accepted fail with
-        ``WorkerDied``. (Requests still being handed to it learn it from their own calls, and
-        retry elsewhere; so do a prefill worker's requests.)"""
+        """``w``'s actor is gone: it leaves placement, the requests it had accepted migrate to
+        healthy workers (``migrate``), and, when the pool can start workers, a new one of the
+        same role replaces it. (Requests still being handed to it learn it from their own calls
+        and go elsewhere; so do a prefill worker's requests.)"""
         if not w.alive:
             return
         w.alive = False
@@ -448,14 +471,101 @@ class WorkerPool:
         if w.role != "prefill":
             for rid in list(w.inflight):
                 stream = self._streams.get(rid)
-                if stream is not None and stream.state is not S.WAITING:
+                if stream is not None and stream.state not in (S.WAITING, S.MIGRATING):
                     del self._streams[rid]
-                    stream.fail(WorkerDied(f"worker {w.name} died while serving this request"))
+                    self.migrate(stream, f"worker {w.name} died while serving this request")
         w.inflight.clear()
         if w.poll_task is not None and w.poll_task is not asyncio.current_task():
             w.poll_task.cancel()
+        if self.start_worker is not None and not w.draining:
+            self._replacing[w.role] = self._replacing.get(w.role, 0) + 1
+            self.spawn(self._replace(w))
         self.spawn(self.admission.notify())
         self._changed()
+
+    def replacing(self, role: str) -> bool:
+        """Whether a dead worker of ``role`` is being replaced (requests may wait for it)."""
+        return self._replacing.get(role, 0) > 0
+
+    async def _replace(self, dead: Worker) -> None:
+        """Start a worker of ``dead``'s role in its place; it joins placement when its model is loaded."""
+        t0 = time.monotonic()
+        try:
+            actors = await self.start_worker(dead.role)
+            names = await self.add_workers(actors, dead.role)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.error("could not replace %s worker %s: %s", dead.role, dead.name, exc)
+            return
+        finally:
+            self._replacing[dead.role] -= 1
+        workers = self._prefill if dead.role == "prefill" else self._workers
+        if dead in workers:
+            workers.remove(dead)
+        seconds = time.monotonic() - t0
+        logger.warning("replaced dead %s worker %s with %s in %.1f s", dead.role, dead.name, ", ".join(names), seconds)
+        if self.observer is not None:
+            self.observer.replaced(dead.role, seconds)
+        self._changed()
+
+    # ---- migration -------------------------------------------------------------------------
+
+    def migrate(self, stream: RequestStream, cause: str) -> None:
+        """``stream``'s worker failed it (``cause``): continue the request on healthy workers from
+        the tokens already streamed, which are prefilled again after its prompt. After
+        ``migration_limit`` migrations it fails with ``WorkerDied`` naming the cause."""
+        if stream.ended or stream.state is S.MIGRATING:
+            return
+        current = asyncio.current_task()
+        for task in (stream.prefill_task, stream.migration_task):
+            if task is not None and not task.done() and task is not current:
+                task.cancel()  # the old attempt's prefill (its cancel aborts it on the prefill worker)
+        self._release(stream)
+        if stream.migrations >= self.migration_limit:
+            stream.fail(WorkerDied(f"{cause}; the request was moved {stream.migrations} time(s) already "
+                                   f"(--migration-limit {self.migration_limit})"))
+            return
+        stream.migrations += 1
+        stream.advance(S.MIGRATING)
+        if self.observer is not None:
+            self.observer.migrated()
+        stream.migration_task = self.spawn(self._resume(stream, cause))
+
+    async def _resume(self, stream: RequestStream, cause: str) -> None:
+        """The next attempt of a migrating request: prompt + tokens streamed so far, for the rest
+        of its ``max_tokens``, on whichever worker placement picks."""
+        first = stream.request
+        done = list(stream.delivered)
+        n = len(first.prompt_token_ids) + len(done)
+        remaining = min(first.params.max_tokens - len(done), int(self.model_info.get("max_model_len", n + 1)) - n)
+        if remaining <= 0 or self._ends_with_stop(done, first):
+            # Every token was out; only the worker's last word was lost.
+            stream.push(RequestDelta(stream.request_id, [], finish_reason="length" if remaining <= 0 else "stop",
+                                     num_prompt_tokens=len(first.prompt_token_ids), num_output_tokens=len(done)))
+            stream.advance(S.DONE)
+            return
+        request = replace(first, request_id=f"{first.request_id}~m{stream.migrations}",
+                          prompt_token_ids=first.prompt_token_ids + done,
+                          params=replace(first.params, max_tokens=remaining), num_generated=len(done))
+        stream.restart(request.request_id)
+        logger.warning("request %s: %s; continuing on another worker after %d streamed token(s) (migration %d)",
+                       first.request_id, cause, len(done), stream.migrations)
+        try:
+            if self._flow is not None:
+                await self._flow.resume(stream, request, self.migration_timeout_s)
+            else:
+                await self._start_colocated(stream, request, time.monotonic() + self.migration_timeout_s)
+        except (NoWorkers, Overloaded, WorkerRejected) as exc:
+            self._release(stream)
+            stream.fail(WorkerDied(f"{cause}; moving it to another worker failed: {exc}"))
+
+    def _ends_with_stop(self, done: list[int], request: WorkerRequest) -> bool:
+        """Whether the last streamed token ended the request (EOS or a stop token id)."""
+        if not done:
+            return False
+        eos = set(self.model_info.get("eos_token_ids") or [])
+        return done[-1] in request.params.stop_token_ids or (not request.params.ignore_eos and done[-1] in eos)
 
     async def remove_workers(self, role: str, count: int, drain_timeout_s: float | None) -> tuple[list, list[str], int]:
         """Drain ``count`` workers of ``role`` (the least loaded) and take them out of the pool.

@@ -148,7 +148,10 @@ class FakeDecodeWorker:
             await asyncio.sleep(self.step_s)
             for rid, st in list(self.running.items()):
                 req: WorkerRequest = st["req"]
-                token = req.prompt_token_ids[st["n"] % len(req.prompt_token_ids)]
+                # The original prompt, cyclically; a migrated request's prompt ends with the
+                # num_generated tokens of earlier attempts, so it continues where they stopped.
+                original = req.prompt_token_ids[:len(req.prompt_token_ids) - req.num_generated]
+                token = original[(req.num_generated + st["n"]) % len(original)]
                 st["n"] += 1
                 delta = RequestDelta(rid, [token], [-0.5] if req.params.logprobs else None)
                 if st["n"] >= req.params.max_tokens:
@@ -160,7 +163,7 @@ class FakeDecodeWorker:
 
 @ray.remote(num_cpus=0)
 class FakePrefillWorker:
-    """Token #1 is the prompt's first token. ``mode``: "ok" (start the decode side, then answer
+    """Token #1 is the prompt's first token (a migrated request's: the next one). ``mode``: "ok" (start the decode side, then answer
     ``reply_delay_s`` later), "fail" (raise), "hang" (until aborted), "lose_kv" (answer, but the
     KV never reaches the decode side), "lose_kv_and_die" (the same, and the process exits)."""
 
@@ -184,7 +187,8 @@ class FakePrefillWorker:
             ev = self.abort_events.setdefault(req.request_id, asyncio.Event())
             await ev.wait()
             raise RuntimeError(f"request {req.request_id} was aborted")
-        token = req.prompt_token_ids[0]
+        original = req.prompt_token_ids[:len(req.prompt_token_ids) - req.num_generated]  # as the decode fake
+        token = original[req.num_generated % len(original)]
         decode = ray.get_actor(dest.address)
         if self.mode.startswith("lose_kv"):
             await decode.fail_transfer.remote(req.request_id, 0.3)
@@ -391,28 +395,32 @@ def test_no_prefill_worker_left_gives_unavailable(cluster_factory, wait_until):
     assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def test_a_transfer_that_fails_after_token_one_gives_internal(cluster_factory):
+def test_a_transfer_that_keeps_failing_after_token_one_is_moved_then_gives_unavailable(cluster_factory):
+    """Every attempt's KV is lost after its token #1: the request moves to a fresh reservation
+    and prefill (continuing after the tokens streamed) --migration-limit times, then fails with
+    UNAVAILABLE naming the cause. The client saw each token once, in order."""
     c = cluster_factory({"x": "lose_kv"})
     chunks = []
     with pytest.raises(RequestError) as err:
-        for chunk in c.client.generate(token_ids=[70, 71], max_tokens=4):
+        for chunk in c.client.generate(token_ids=[70, 71, 72, 73, 74], max_tokens=8):
             chunks.append(chunk)
-    assert [ch.token_ids for ch in chunks] == [[70]]
-    assert err.value.code == grpc.StatusCode.INTERNAL
-    assert "the worker failed on this request: KV transfer failed: peer gone" in err.value.message
+    assert [t for ch in chunks for t in ch.token_ids] == [70, 71, 72, 73]  # token #1 of 4 attempts
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "the KV transfer failed: KV transfer failed: peer gone" in err.value.message
+    assert "--migration-limit 3" in err.value.message
+    reserved = [rid for kind, rid in c.decode_events() if kind == "reserve"]
+    assert len(reserved) == 4 and reserved[1:] == [f"{reserved[0]}~m{i}" for i in (1, 2, 3)]
     c.wait_all_blocks_free()
 
 
-def test_a_transfer_cut_by_a_dying_prefill_worker_gives_unavailable(cluster_factory):
+def test_a_transfer_cut_by_a_dying_prefill_worker_moves_and_completes(cluster_factory, wait_until):
+    """The prefill worker dies after token #1, while its KV is on the way: the request continues
+    on the healthy prefill worker from the token streamed, and ends as if nothing happened."""
     c = cluster_factory({"c": "lose_kv_and_die", "x": "ok"})
-    chunks = []
-    with pytest.raises(RequestError) as err:
-        for chunk in c.client.generate(token_ids=[80, 81], max_tokens=4):
-            chunks.append(chunk)
-    assert [ch.token_ids for ch in chunks] == [[80]]  # token #1 was out: no silent retry
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "prefill worker fake-prefill-c died while sending this request's KV cache" in err.value.message
-    assert c.client.server_info().num_prefill_workers == 1
+    chunks = list(c.client.generate(token_ids=[80, 81, 82], max_tokens=5))
+    assert [t for ch in chunks for t in ch.token_ids] == [80, 81, 82, 80, 81]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 5
+    wait_until(lambda: c.client.server_info().num_prefill_workers == 1, what="the dead prefill worker leaving")
     assert c.client.complete(token_ids=[82, 83], max_tokens=2).token_ids == [82, 83]
     c.wait_all_blocks_free()
 

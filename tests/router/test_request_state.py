@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from pdserve.decode_worker.messages import RequestDelta
+from pdserve.decode_worker.messages import RequestDelta, WorkerRequest
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.request_state import (
     ENDED,
     TRANSITIONS,
@@ -26,6 +27,12 @@ LIVES = {
     "transfer failed": [S.WAITING, S.RESERVED, S.PREFILLING, S.PUSHING, S.FAILED],
     "client cancelled during prefill": [S.WAITING, S.RESERVED, S.PREFILLING, S.ABORTED],
     "stop string": [S.WAITING, S.DECODING, S.ABORTED],
+    "decode worker died, migrated": [S.WAITING, S.RESERVED, S.PREFILLING, S.PUSHING, S.DECODING, S.MIGRATING,
+                                     S.RESERVED, S.PREFILLING, S.PUSHING, S.DECODING, S.DONE],
+    "colocated worker died, migrated twice": [S.WAITING, S.DECODING, S.MIGRATING, S.DECODING, S.MIGRATING,
+                                              S.DECODING, S.DONE],
+    "died after its last token": [S.WAITING, S.DECODING, S.MIGRATING, S.DONE],
+    "no worker to move to": [S.WAITING, S.DECODING, S.MIGRATING, S.FAILED],
 }
 
 
@@ -59,6 +66,9 @@ def test_every_live_state_can_fail_or_be_aborted():
     (S.PUSHING, S.PREFILLING),
     (S.DECODING, S.PUSHING),
     (S.RESERVED, S.WAITING),
+    (S.WAITING, S.MIGRATING),  # nothing to move before a worker has it
+    (S.MIGRATING, S.PREFILLING),  # a migration reserves first
+    (S.MIGRATING, S.MIGRATING),
 ])
 def test_moves_outside_the_table_raise(old, new):
     with pytest.raises(InvalidTransition, match=f"from {old.value} to {new.value}"):
@@ -75,33 +85,40 @@ def _drain(stream: RequestStream) -> list:
     return out
 
 
+def request(rid: str) -> WorkerRequest:
+    return WorkerRequest(rid, [1, 2, 3], SamplingParams(max_tokens=8))
+
+
 def delta(rid: str, tokens: list[int], finish: str | None = None) -> RequestDelta:
     return RequestDelta(rid, tokens, None, finish_reason=finish)
 
 
 def test_decode_deltas_are_held_until_token_one_and_errors_are_not():
     closed = []
-    s = RequestStream(closed.append, "r", disaggregated=True)
+    s = RequestStream(closed.append, request("r"), disaggregated=True)
     s.push(delta("r", [2]))
     s.push(delta("r", [3], "length"))
     assert s._queue.empty()  # held: token #1 has not come
     s.deliver_first(delta("r", [1]), {"prefill": 0.5})
+    assert s.delivered == [1, 2, 3]  # what a migration would continue after
     assert [d.token_ids for d in _drain(s)] == [[1], [2], [3]]
     assert s.prefill_timings == {"prefill": 0.5}
     s.push(delta("r", [4]))  # after token #1 nothing is held
     assert [d.token_ids for d in _drain(s)] == [[4]]
+    assert s.delivered == [1, 2, 3, 4]
     s.close()
     assert closed == [s]
 
 
 def test_a_restart_drops_what_the_old_attempt_sent_and_fail_ends_the_request():
-    s = RequestStream(lambda _: None, "r", disaggregated=True)
+    s = RequestStream(lambda _: None, request("r"), disaggregated=True)
     for state in (S.RESERVED, S.PREFILLING):
         s.advance(state)
-    s.push(delta("r", [], "error"))  # the old attempt's decode worker failed the transfer
+    s.push(delta("r", [9], "error"))  # the old attempt's decode worker failed the transfer
     s.advance(S.WAITING)
     s.restart("r~1")
-    assert s.request_id == "r~1"
+    assert s.request_id == "r~1" and s.request.request_id == "r"
+    assert s.delivered == []  # held, never delivered: not counted as streamed
     s.fail(RuntimeError("boom"))  # errors are never held
     assert s.state is S.FAILED and s.ended
     [err] = _drain(s)
@@ -111,7 +128,7 @@ def test_a_restart_drops_what_the_old_attempt_sent_and_fail_ends_the_request():
 
 
 def test_colocated_streams_hold_nothing():
-    s = RequestStream(lambda _: None, "r")
+    s = RequestStream(lambda _: None, request("r"))
     s.advance(S.DECODING)
     s.push(delta("r", [7]))
     assert [d.token_ids for d in _drain(s)] == [[7]]
