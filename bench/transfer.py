@@ -50,7 +50,7 @@ import torch
 
 from pdserve.bench.common import Table, local_ray, machine, max_positions, now
 from pdserve.engine.memory import describe_peak
-from pdserve.kv_transfer import TRANSPORTS, make_sender, start_receiver
+from pdserve.kv_transfer import TRANSPORTS, make_sender, new_cluster_secret, start_receiver
 from pdserve.kv_transfer.base import DEFAULT_FRAME_BYTES
 
 # The transports measured, in order, are ``kv_transfer.TRANSPORTS``: both ends are built by name
@@ -175,13 +175,13 @@ class TransferReceiver:
     """Receiver actor: one receiver per transport into one ``BenchSink``, and a raw TCP server that
     reads length-prefixed messages into a preallocated buffer and acknowledges each with one byte."""
 
-    def __init__(self, geo: dict, num_blocks: int, transports: list[str], max_bytes: int) -> None:
+    def __init__(self, geo: dict, num_blocks: int, transports: list[str], max_bytes: int, secret: bytes) -> None:
         torch.set_num_threads(1)
         self.sink = BenchSink(geo, num_blocks)
         host = "127.0.0.1"
         self.receivers = {}
         for name in transports:
-            self.receivers[name] = start_receiver(self.sink, name, host=host)
+            self.receivers[name] = start_receiver(self.sink, name, host=host, secret=secret)
         self._buf = bytearray(max_bytes)
         self._server = socket.create_server((host, 0))
         threading.Thread(target=self._serve_tcp, daemon=True).start()
@@ -309,9 +309,10 @@ def _pieces(num_layers: int, per_layer: int, frame_bytes: int) -> list[range]:
 class TransferSender:
     """Sender actor: pushes whole requests' KV over a transport, or the same bytes over TCP."""
 
-    def __init__(self, geo: dict) -> None:
+    def __init__(self, geo: dict, secret: bytes) -> None:
         torch.set_num_threads(1)
         self.geo = geo
+        self.secret = secret
         self.senders: dict = {}
 
     def _data(self, num_blocks: int) -> torch.Tensor:
@@ -325,7 +326,7 @@ class TransferSender:
         import ray
 
         if transport not in self.senders:
-            self.senders[transport] = make_sender(transport)
+            self.senders[transport] = make_sender(transport, secret=self.secret)
         sender = self.senders[transport]
         data = self._data(num_blocks)
         num_layers = data.shape[1]
@@ -439,9 +440,10 @@ def measure_transfer(ray, geo: dict, prompt_tokens: list[int], transports: list[
     bs = geo["block_size"]
     max_blocks = max(-(-n // bs) for n in prompt_tokens)
     max_bytes = max_blocks * bs * bytes_per_token(geo)
+    secret = new_cluster_secret()  # both ends sign and check every stream and frame, as in serving
     receiver = ray.remote(TransferReceiver).options(num_cpus=0, max_concurrency=8).remote(
-        geo, 2 * max_blocks + 4, transports, max_bytes)
-    sender = ray.remote(TransferSender).options(num_cpus=0).remote(geo)
+        geo, 2 * max_blocks + 4, transports, max_bytes, secret)
+    sender = ray.remote(TransferSender).options(num_cpus=0).remote(geo, secret)
     rows = []
     gloo_store = None  # the bare-gloo group's store, set up at its first row
     try:
@@ -492,12 +494,14 @@ def measure_ttft(ray, model: str, threads: int, geo: dict, prompt_tokens: list[i
         return EngineConfig(model=model, threads=threads, block_size=bs, num_blocks=num_blocks, show_progress=False)
 
     tag = f"pdserve-bench-transfer-{os.getpid()}"
+    secret = new_cluster_secret()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # loading the model is most of a start
         starts = [
             pool.submit(start_workers, WorkerConfig(engine=engine()), 1, num_cpus=0, name_prefix=f"{tag}-colocated"),
-            pool.submit(start_workers, WorkerConfig(engine=engine()), 1, num_cpus=0, role="decode",
-                        name_prefix=f"{tag}-decode"),
-            pool.submit(start_prefill_workers, PrefillConfig(engine=engine(), **({"kv_push": kv_push} if kv_push else {})),
+            pool.submit(start_workers, WorkerConfig(engine=engine(), cluster_secret=secret), 1, num_cpus=0,
+                        role="decode", name_prefix=f"{tag}-decode"),
+            pool.submit(start_prefill_workers, PrefillConfig(engine=engine(), cluster_secret=secret,
+                                                             **({"kv_push": kv_push} if kv_push else {})),
                         1, num_cpus=0,
                         name_prefix=f"{tag}-prefill"),
         ]

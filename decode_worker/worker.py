@@ -77,6 +77,9 @@ class WorkerConfig:
     # Once the transfer is open, no progress (no piece written, no completion) for kv_lease_s
     # releases the blocks: a stalled transfer.
     kv_lease_s: float = 30.0
+    # Decode role: the cluster secret (``kv_transfer.auth``); the KV receiver accepts only streams
+    # and frames signed with it. ``pdserve serve`` sets it; never logged (repr=False).
+    cluster_secret: bytes | None = field(default=None, repr=False)
 
 
 class EngineLoop:
@@ -418,7 +421,7 @@ class DecodeWorker:
         self.receiver = None
         if config.role == "decode":
             self.receiver = start_receiver(self.loop, config.transport, self.loop.runner.device,
-                                           config.kv_lease_s)
+                                           config.kv_lease_s, secret=config.cluster_secret)
 
     def kv_address(self) -> str | None:
         """Where prefill actors push KV for this actor (decode role only)."""

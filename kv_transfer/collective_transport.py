@@ -4,7 +4,8 @@ Backend ``nccl`` when the KV lives on CUDA devices, ``gloo`` when it lives on CP
 is the same. Control stays on the gRPC stream of the gRPC transport (one stream per request:
 headers with layer range, block ids, dtype, shape, checksum, tag; the last frame with token #1;
 one acknowledgement), and only tensor bytes go over the process group. So ordering, integrity
-checks, deadlines and leases are exactly the gRPC transport's, and the same tests apply.
+checks, deadlines and leases are exactly the gRPC transport's, and the same tests apply; so is
+the cluster secret's MAC on every header, the ``join`` included (``auth``).
 
 A piece (``[2, layers, blocks, ...]``) goes by two sends, its keys and its values, each straight
 from the caller's tensor when it is contiguous (a layer range of a ``[2, layers, ...]`` tensor is:
@@ -46,10 +47,12 @@ import queue
 import threading
 import uuid
 
+import grpc
 import torch
 import torch.distributed as dist
 import xxhash
 
+from pdserve.kv_transfer.auth import KVAuth
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
 from pdserve.kv_transfer.grpc_transport import MAX_FRAME_BYTES, GrpcKVReceiver, GrpcKVSender, GrpcTransfer
 from pdserve.kv_transfer.landing import LAND_DEPTH
@@ -197,7 +200,7 @@ class CollectiveKVReceiver(KVReceiver):
     post_ahead: bool | None = None  # None: gloo posts ahead, NCCL does not (a test forces it)
 
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", device: str | torch.device = "cpu",
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, *, secret: bytes) -> None:
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         if self.post_ahead is None:
@@ -213,7 +216,7 @@ class CollectiveKVReceiver(KVReceiver):
         # are reused stream after stream (fresh ones would page-fault megabytes in every time).
         self._streams: dict[int, _StreamState] = {}  # by thread id; cleared by ``stop``
         self._grpc = GrpcKVReceiver(_SinkHooks(sink, self), host=host, fetch=self._fetch, on_join=self._join,
-                                    timeout_s=timeout_s)
+                                    timeout_s=timeout_s, secret=secret)
         self._host = host
 
     @property
@@ -461,7 +464,8 @@ class CollectiveTransfer(GrpcTransfer):
 
     STAGED = 2 * RECV_AHEAD  # packed pieces in flight; packing one more waits for the oldest's send
 
-    def __init__(self, stub, request_id: str, timeout_s: float, pair: _Pair, staging: _StagingPool) -> None:
+    def __init__(self, stub, request_id: str, timeout_s: float, pair: _Pair, staging: _StagingPool, *,
+                 auth: KVAuth) -> None:
         self.pair = pair
         self._base = pair.next_base()  # frame i goes with tag base + i
         self._pool = staging
@@ -471,7 +475,7 @@ class CollectiveTransfer(GrpcTransfer):
         self._timeout_s = timeout_s
         self._posts: queue.Queue = queue.Queue()
         self._poster: threading.Thread | None = None
-        super().__init__(stub, request_id, timeout_s)
+        super().__init__(stub, request_id, timeout_s, auth=auth)
 
     def _messages(self, i: int, layers: range, block_ids: list[int], data: torch.Tensor) -> list[bytes]:
         if self._send_error is not None:
@@ -501,6 +505,7 @@ class CollectiveTransfer(GrpcTransfer):
         header = FrameHeader(self.request_id, i, (layers.start, layers.stop), list(block_ids),
                              str(data.dtype).removeprefix("torch."), tuple(data.shape), _halves_checksum(*halves),
                              nbytes, group=self.pair.name, tag=tag)
+        self._auth.sign(header, self._nonce)
         if self._poster is None:
             self._poster = threading.Thread(target=self._post_loop, name=f"kv-post-{self.request_id}", daemon=True)
             self._poster.start()
@@ -610,11 +615,11 @@ class CollectiveKVSender(KVSender):
     name = "collective"
     post_ahead: bool | None = None  # as ``CollectiveKVReceiver.post_ahead``: both ends must agree
 
-    def __init__(self, device: str | torch.device = "cpu", timeout_s: float = 30.0) -> None:
+    def __init__(self, device: str | torch.device = "cpu", timeout_s: float = 30.0, *, secret: bytes) -> None:
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         self.timeout_s = timeout_s
-        self._grpc = GrpcKVSender()
+        self._grpc = GrpcKVSender(secret=secret)
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._id = uuid.uuid4().hex[:12]
@@ -640,8 +645,15 @@ class CollectiveKVSender(KVSender):
 
             t = threading.Thread(target=join_self, daemon=True)
             t.start()
-            ack = self._grpc.stub(control)(
-                iter([FrameHeader("", 0, join=True, group=name, store=name).pack()]), timeout=self.timeout_s)
+            auth, nonce = self._grpc.auth, self._grpc.auth.new_nonce()
+            join = FrameHeader("", 0, join=True, group=name, store=name)
+            auth.sign(join, nonce)
+            try:
+                ack = self._grpc.stub(control)(iter([join.pack()]), timeout=self.timeout_s,
+                                               metadata=auth.open_metadata("", nonce))
+            except grpc.RpcError as exc:  # refused (another cluster's secret?) or unreachable
+                raise TransferError(f"could not set up a {self.backend} group with {control}: "
+                                    f"{exc.code().name}: {exc.details()}") from None
             t.join(self.timeout_s)
             if not ack.ok or "group" not in result:
                 raise TransferError(f"could not set up a {self.backend} group with {control}: "
@@ -661,7 +673,8 @@ class CollectiveKVSender(KVSender):
         except Exception as exc:
             raise TransferError(f"could not reach {destination}: {exc}") from None
         control = destination.split("|")[0]
-        return CollectiveTransfer(self._grpc.stub(control), request_id, timeout_s, pair, self._staging)
+        return CollectiveTransfer(self._grpc.stub(control), request_id, timeout_s, pair, self._staging,
+                                  auth=self._grpc.auth)
 
     def close(self) -> None:
         self._grpc.close()

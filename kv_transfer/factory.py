@@ -14,38 +14,40 @@ def _unknown(name: str) -> ValueError:
     return ValueError(f"unknown KV transport {name!r}; choose {' or '.join(TRANSPORTS)}")
 
 
-def make_sender(name: str, device: str = "cpu", timeout_s: float = 30.0) -> KVSender:
+def make_sender(name: str, device: str = "cpu", timeout_s: float = 30.0, *, secret: bytes) -> KVSender:
     """The prefill side of transport ``name``. ``device`` is where the KV cache lives (the
     collective transport picks NCCL for CUDA, gloo for CPU); ``timeout_s`` bounds setting up a
-    process group with a decode actor."""
+    process group with a decode actor. ``secret`` is the cluster secret: it signs every stream and
+    frame (``auth``), and a receiver refuses those of any other secret."""
     if name == "grpc":
         from pdserve.kv_transfer.grpc_transport import GrpcKVSender
 
-        return GrpcKVSender()
+        return GrpcKVSender(secret=secret)
     if name == "collective":
         from pdserve.kv_transfer.collective_transport import CollectiveKVSender
 
-        return CollectiveKVSender(device, timeout_s)
+        return CollectiveKVSender(device, timeout_s, secret=secret)
     raise _unknown(name)
 
 
 def start_receiver(sink: KVSink, transport: str, device: str | torch.device = "cpu", timeout_s: float = 30.0,
-                   host: str | None = None) -> KVReceiver:
+                   host: str | None = None, *, secret: bytes) -> KVReceiver:
     """The decode side of ``transport``, started, landing pieces in ``sink`` (the decode worker's
     ``EngineLoop``). ``device`` is where the sink's KV cache lives and ``timeout_s`` bounds every
     wait of the collective transport (the decode worker passes its ``kv_lease_s``). ``host`` is
     the address it listens on and advertises; by default this node's IP when Ray runs here (so
-    prefill actors on other nodes reach it), else 127.0.0.1."""
+    prefill actors on other nodes reach it), else 127.0.0.1. ``secret`` is the cluster secret: only
+    senders that hold it get a piece written (``auth``)."""
     if host is None:
         host = _node_ip()
     if transport == "grpc":
         from pdserve.kv_transfer.grpc_transport import GrpcKVReceiver
 
-        return GrpcKVReceiver(sink, host=host)
+        return GrpcKVReceiver(sink, host=host, secret=secret)
     if transport == "collective":
         from pdserve.kv_transfer.collective_transport import CollectiveKVReceiver
 
-        return CollectiveKVReceiver(sink, host=host, device=device, timeout_s=timeout_s)
+        return CollectiveKVReceiver(sink, host=host, device=device, timeout_s=timeout_s, secret=secret)
     raise _unknown(transport)
 
 

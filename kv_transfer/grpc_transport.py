@@ -4,7 +4,8 @@ The decode actor runs a ``GrpcKVReceiver`` (a gRPC server on its own port); pref
 ``Push`` stream to it per request, send frames of about 1-4 MB as layers are computed, and get one
 acknowledgement at the end. Message size limits are explicit on both sides (a piece larger than
 ``MAX_FRAME_BYTES`` is split into several frames along its blocks, then its layers), every stream
-has a deadline, and every frame's checksum is checked before its bytes touch the KV cache.
+has a deadline, and every frame's checksum is checked before its bytes touch the KV cache. Both
+ends hold the cluster secret: the stream's opening and every frame carry its MAC (``auth``).
 
 The stream's messages are raw bytes, not protobuf: a frame is ONE message, a short prefix, the
 msgpack header, then the piece's bytes exactly as they land in the KV cache (``wire.frame_message``).
@@ -32,6 +33,7 @@ import grpc
 import torch
 
 from pdserve.internal import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.auth import KVAuth
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink, Transfer, TransferError, TransferState
 from pdserve.kv_transfer.landing import REQUEST_ID_KEY, LandingServicer
 from pdserve.kv_transfer.wire import DTYPES, FrameHeader, encode_piece, frame_message
@@ -80,16 +82,17 @@ def keep_frame_buffers() -> None:
 
 
 class GrpcKVReceiver(KVReceiver):
-    """A gRPC server that lands KV frames into a ``KVSink`` (``landing.LandingServicer``).
+    """A gRPC server that lands KV frames into a ``KVSink`` (``landing.LandingServicer``), from
+    senders that hold the cluster ``secret`` only.
 
     ``fetch`` and ``on_join`` are the servicer's: the collective transport serves its control
     stream here, with the bytes coming over a process group."""
 
     def __init__(self, sink: KVSink, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
-                 fetch=None, on_join=None, timeout_s: float = 30.0) -> None:
+                 fetch=None, on_join=None, timeout_s: float = 30.0, *, secret: bytes) -> None:
         keep_frame_buffers()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
-        servicer = LandingServicer(sink, fetch, on_join, timeout_s)
+        servicer = LandingServicer(sink, KVAuth(secret), fetch, on_join, timeout_s)
         handler = grpc.stream_unary_rpc_method_handler(
             servicer.Push, request_deserializer=None, response_serializer=pb.PushAck.SerializeToString)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
@@ -129,15 +132,21 @@ def split_piece(layers: range, block_ids: list[int], data: torch.Tensor, limit: 
 
 
 def _encode(item: tuple) -> bytes:
-    return frame_message(*encode_piece(*item))
+    auth, nonce, *piece = item
+    header, parts = encode_piece(*piece)
+    auth.sign(header, nonce)  # one HMAC over the header; the data is bound by its checksum there
+    return frame_message(header, parts)
 
 
 class GrpcTransfer(Transfer):
     # Frames encoded ahead of the one gRPC is writing (on the sender's encoder thread).
     LOOKAHEAD = 2
 
-    def __init__(self, push, request_id: str, timeout_s: float, encoder: futures.Executor | None = None) -> None:
+    def __init__(self, push, request_id: str, timeout_s: float, encoder: futures.Executor | None = None, *,
+                 auth: KVAuth) -> None:
         self.request_id = request_id
+        self._auth = auth
+        self._nonce = auth.new_nonce()  # names this stream in every frame's MAC
         self.state = TransferState.OPEN
         self._q: queue.Queue = queue.Queue()
         self._frames = 0
@@ -148,7 +157,8 @@ class GrpcTransfer(Transfer):
         # stream has no deadline of its own: a long prompt's transfer stays open for as long as
         # its prefill takes. It is bounded by progress instead: the receiver's lease is renewed by
         # each piece, and ``finish`` waits at most ``timeout_s`` for the acknowledgement.
-        self._future = push.future(self._iter(), metadata=((REQUEST_ID_KEY, request_id),))
+        self._future = push.future(self._iter(), metadata=((REQUEST_ID_KEY, request_id),
+                                                           *auth.open_metadata(request_id, self._nonce)))
 
     def _iter(self):
         """The stream's messages, on gRPC's request thread. gRPC asks for the next message only
@@ -203,11 +213,12 @@ class GrpcTransfer(Transfer):
         modify the piece) makes holding it until then safe."""
         if str(data.dtype).removeprefix("torch.") not in DTYPES:
             raise TransferError(f"KV of dtype {data.dtype} cannot be sent; use one of {', '.join(DTYPES)}")
-        return [(self.request_id, i, layers, block_ids, data)]
+        return [(self._auth, self._nonce, self.request_id, i, layers, block_ids, data)]
 
     def finish(self, first_token: int, first_logprob: float | None = None) -> int:
         last = FrameHeader(self.request_id, self._frames, last=True, frames=self._frames,
                            token=first_token, logprob=first_logprob)
+        self._auth.sign(last, self._nonce)
         self._q.put(last.pack())
         self._q.put(_END)
         try:
@@ -241,12 +252,14 @@ class GrpcTransfer(Transfer):
 
 
 class GrpcKVSender(KVSender):
-    """Prefill side: one channel per destination, one stream per request."""
+    """Prefill side: one channel per destination, one stream per request, signed with the cluster
+    ``secret``."""
 
     name = "grpc"
 
-    def __init__(self) -> None:
+    def __init__(self, *, secret: bytes) -> None:
         keep_frame_buffers()
+        self.auth = KVAuth(secret)
         self._stubs: dict[str, grpc.StreamUnaryMultiCallable] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -266,7 +279,7 @@ class GrpcKVSender(KVSender):
             return self._stubs[destination]
 
     def open(self, request_id: str, destination: str, num_layers: int, num_blocks: int, timeout_s: float) -> Transfer:
-        return GrpcTransfer(self.stub(destination), request_id, timeout_s, self._encoder)
+        return GrpcTransfer(self.stub(destination), request_id, timeout_s, self._encoder, auth=self.auth)
 
     def close(self) -> None:
         with self._lock:

@@ -12,6 +12,14 @@ piece's verified tensor from a ``fetch`` function, writes it into the reserved b
   then returns a function that waits for the receive and verifies it, and a ``Lander`` thread
   writes the pieces in frame order while the stream's thread reads the next header and posts the
   next receive.
+
+Authentication (``auth``) is checked here, so both transports get it: the stream's opening
+(call metadata) before the decode worker hears of the request, and every frame's MAC before any
+other check of it. A stream that fails the first is refused (``UNAUTHENTICATED`` or
+``PERMISSION_DENIED``) and touches nothing: it was never the request's transfer, so its failure
+releases no block. A frame that fails the second, in a stream whose opening did authenticate,
+fails that transfer like any damaged frame (its blocks go back) and is answered with
+``UNAUTHENTICATED``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Callable
 import grpc
 
 from pdserve.internal import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.auth import KVAuth, KVAuthError
 from pdserve.kv_transfer.base import KVSink
 from pdserve.kv_transfer.wire import FrameHeader, decode_piece, split_frame
 
@@ -103,7 +112,8 @@ class Lander:
 
 
 class LandingServicer:
-    """The ``Push`` method of the KV-transfer service: lands one stream's frames into a sink.
+    """The ``Push`` method of the KV-transfer service: lands one stream's frames into a sink, from
+    senders that hold the cluster secret (``auth``) only.
 
     ``fetch(header, data)`` returns a piece's verified tensor (by default ``wire.decode_piece`` of
     the data that the frame's message carries), or a function that waits for it and verifies it
@@ -113,8 +123,9 @@ class LandingServicer:
     With the default ``fetch`` each piece is verified and written on the stream's thread: a landing
     thread as well only competes for the GIL and the CPU with gRPC's own threads."""
 
-    def __init__(self, sink: KVSink, fetch=None, on_join=None, timeout_s: float = 30.0) -> None:
+    def __init__(self, sink: KVSink, auth: KVAuth, fetch=None, on_join=None, timeout_s: float = 30.0) -> None:
         self.sink = sink
+        self.auth = auth
         self.fetch = fetch or decode_piece
         self.on_join = on_join
         self.timeout_s = timeout_s
@@ -122,7 +133,13 @@ class LandingServicer:
     def Push(self, request_iterator, context):
         # The request id travels in the call's metadata too, so that a stream cancelled before its
         # first frame (a prefill actor that died early) still releases the request's blocks at once.
-        rid = dict(context.invocation_metadata()).get(REQUEST_ID_KEY)
+        metadata = dict(context.invocation_metadata())
+        rid = metadata.get(REQUEST_ID_KEY)
+        try:  # before anything else: a stream that does not authenticate touches nothing
+            nonce = self.auth.check_open(rid, metadata)
+        except KVAuthError as exc:
+            logger.warning("%s (from %s)", exc, context.peer())
+            context.abort(exc.code, str(exc))
         frames = 0
         nbytes = 0
         start = time.time()
@@ -132,6 +149,7 @@ class LandingServicer:
                 self.sink.open_kv(rid)  # the lease covers the transfer, not the prefill queue before it
             for message in request_iterator:
                 h, raw = split_frame(message)
+                self.auth.check(h, nonce)  # one HMAC over the header; the data is bound by its checksum
                 if h.join:
                     if self.on_join is None:
                         raise ValueError("this receiver does not take process-group frames")
@@ -177,4 +195,6 @@ class LandingServicer:
                 except Exception:
                     logger.exception("releasing %s after a failed transfer", rid)
             logger.warning("%s (request %s)", error, rid)
+            if isinstance(exc, KVAuthError):
+                context.abort(exc.code, error)
             return pb.PushAck(ok=False, error=error, bytes_received=nbytes)

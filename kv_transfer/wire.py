@@ -7,7 +7,8 @@ length, the header, then the data (``frame_message`` / ``split_frame``). With th
 transport the data travels over a process group instead, the message is the header alone, and the
 header names the group and the send's tag. The last frame has ``last: true``, no data, the
 number of frames sent before it (``frames``) and token #1 (``token``, ``logprob``). The receiver
-checks the checksum, the length and the shape of every frame, and that no frame is missing.
+checks the checksum, the length and the shape of every frame, and that no frame is missing. Every
+header carries ``mac``, its HMAC under the cluster secret (``auth``), checked before anything else.
 
 Per piece the sender makes ONE copy (the contiguous runs of the layer/block view, straight from the
 KV cache into the message's ``bytes``, after the header) and the receiver none before the write
@@ -47,6 +48,7 @@ class FrameHeader:
     tag: int = 0  # point-to-point tag of this piece
     join: bool = False  # control frame: the decode side joins process group ``group``
     store: str = ""  # with ``join``: the rendezvous store prefix
+    mac: bytes = b""  # HMAC of the other fields under the cluster secret (``auth.KVAuth.sign``)
 
     def pack(self) -> bytes:
         return msgpack.packb(self.__dict__, use_bin_type=True)

@@ -50,6 +50,9 @@ class PrefillConfig:
     # transfer`, "chunk" added less to TTFT than "layer" and the decode side held the whole KV
     # sooner too, hence the default (figures in BENCHMARKS.md).
     kv_push: str = "chunk"
+    # The cluster secret (``kv_transfer.auth``): signs every KV stream and frame; the decode actors
+    # refuse any other. ``pdserve serve`` sets it; never logged (repr=False).
+    cluster_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_push not in ("layer", "chunk"):
@@ -94,7 +97,8 @@ class PrefillEngine:
         self.config = config
         self.name = name
         self.runner = ModelRunner(config.engine)
-        self.sender = sender or make_sender(config.transport, config.engine.device, config.transfer_timeout_s)
+        self.sender = sender or make_sender(config.transport, config.engine.device, config.transfer_timeout_s,
+                                            secret=config.cluster_secret)
         self.waiting: deque[_Task] = deque()
         self.running: list[_Task] = []
         self.tasks: dict[str, _Task] = {}

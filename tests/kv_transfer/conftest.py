@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from kv_suite import Faults, RecordingSink
+from kv_suite import SECRET, Faults, RecordingSink
 from pdserve.kv_transfer.base import KVReceiver, KVSender, KVSink
 
 
@@ -22,8 +22,8 @@ class TransportSpec:
     """How to build one transport's two ends: ``module.<sender>(**sender_kwargs)`` is its
     ``KVSender`` and ``module.<receiver>(sink, **receiver_kwargs)`` its ``KVReceiver``.
 
-    Frame headers must be packed with ``wire.FrameHeader.pack`` (``faults`` renumbers them there
-    to drop or reorder frames). With ``data_in_frames`` the tensor bytes travel inside the frames,
+    Frame headers must be signed with ``auth.KVAuth.sign`` (``faults`` renumbers them there to
+    drop or reorder frames). Both ends get the suite's cluster secret (``kv_suite.SECRET``). With ``data_in_frames`` the tensor bytes travel inside the frames,
     built by ``wire.encode_piece`` looked up in ``module``'s globals, where ``faults`` flips a byte
     after the CRC; otherwise ``faults`` corrupts the checksum in the header.
     """
@@ -38,9 +38,11 @@ class TransportSpec:
 
 # Every transport passes the same suite: one line each.
 TRANSPORTS: dict[str, TransportSpec] = {
-    "grpc": TransportSpec("pdserve.kv_transfer.grpc_transport", "GrpcKVSender", "GrpcKVReceiver"),
+    "grpc": TransportSpec("pdserve.kv_transfer.grpc_transport", "GrpcKVSender", "GrpcKVReceiver",
+                          {"secret": SECRET}, {"secret": SECRET}),
     "collective": TransportSpec("pdserve.kv_transfer.collective_transport", "CollectiveKVSender", "CollectiveKVReceiver",
-                                {"timeout_s": 10.0}, {"timeout_s": 10.0}, data_in_frames=False),
+                                {"timeout_s": 10.0, "secret": SECRET}, {"timeout_s": 10.0, "secret": SECRET},
+                                data_in_frames=False),
 }
 
 

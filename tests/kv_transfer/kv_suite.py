@@ -14,7 +14,11 @@ import torch
 
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.kv_cache import KVCache
+from pdserve.kv_transfer.auth import KVAuth
 from pdserve.kv_transfer.wire import FrameHeader
+
+# The cluster secret both ends of every transport under test hold (``kv_transfer.auth``).
+SECRET = bytes.fromhex("5eed" * 16)
 
 # ---- a KV sink over a real KVCache ---------------------------------------------------------------
 
@@ -134,8 +138,9 @@ class Faults:
     """Damage a transport's frames on their way out, as a faulty network or peer would.
 
     Missing and reordered frames are made by renumbering data-frame headers (``FrameHeader.i``,
-    the sender's data-frame counter from 0) as they are packed, which every transport does
-    through ``wire.FrameHeader.pack``. Corruption flips a byte of a frame's data after its CRC was
+    the sender's data-frame counter from 0) just before the sender signs them, which every
+    transport does through ``auth.KVAuth.sign`` (so the MAC holds: a faulty peer of this cluster,
+    not a forger). Corruption flips a byte of a frame's data after its CRC was
     computed, by wrapping ``encode_piece`` in the transport's module, for transports whose data
     travels inside the frames (``data_in_frames``); for the others (the data goes over another
     channel) it flips a bit of the checksum in the header, which the receiver sees the same way:
@@ -148,15 +153,14 @@ class Faults:
         self.monkeypatch = monkeypatch
 
     def _on_pack(self, change: Callable[[FrameHeader], None]) -> None:
-        original = FrameHeader.pack
+        original = KVAuth.sign
 
-        def pack(header: FrameHeader) -> bytes:
-            if not header.last and not getattr(header, "join", False):
-                header = FrameHeader(**header.__dict__)  # a copy: the sender's own header is not touched
-                change(header)
-            return original(header)
+        def sign(auth: KVAuth, header: FrameHeader, nonce: bytes) -> None:
+            if not header.last and not header.join:
+                change(header)  # the header is the sender's, packed right after this
+            original(auth, header, nonce)
 
-        self.monkeypatch.setattr(FrameHeader, "pack", pack)
+        self.monkeypatch.setattr(KVAuth, "sign", sign)
 
     def corrupt(self, frame: int = 0, offset: int = 5) -> None:
         """Frame ``frame`` arrives with data that does not match its CRC."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_suite import Faults, RecordingSink, bounded, random_kv
+from kv_suite import SECRET, Faults, RecordingSink, bounded, random_kv
 from pdserve.kv_transfer import collective_transport as ct
 from pdserve.kv_transfer.base import TransferError
 
@@ -25,8 +25,8 @@ def ends():
     made = []
 
     def make(sink):
-        receiver = ct.CollectiveKVReceiver(sink, timeout_s=10.0)
-        sender = ct.CollectiveKVSender(timeout_s=10.0)
+        receiver = ct.CollectiveKVReceiver(sink, timeout_s=10.0, secret=SECRET)
+        sender = ct.CollectiveKVSender(timeout_s=10.0, secret=SECRET)
         made.append((sender, receiver))
         return sender, receiver
 
@@ -186,7 +186,7 @@ def test_failed_streams_of_senders_that_never_return_do_not_pile_up(ends, monkey
     sink = RecordingSink(num_blocks=64)
     _, receiver = ends(sink)
     Faults(ct, False, monkeypatch).corrupt(frame=0)
-    senders = [ct.CollectiveKVSender(timeout_s=10.0) for _ in range(receiver.PARKED_LIMIT + 2)]
+    senders = [ct.CollectiveKVSender(timeout_s=10.0, secret=SECRET) for _ in range(receiver.PARKED_LIMIT + 2)]
     try:
         for n, sender in enumerate(senders):
             dest = sink.reserve(f"x{n}", 2)

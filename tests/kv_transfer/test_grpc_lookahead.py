@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import pdserve.kv_transfer.grpc_transport as gt
+from kv_suite import SECRET
+from pdserve.kv_transfer.auth import KVAuth
 from pdserve.kv_transfer.wire import FrameHeader, decode_piece, split_frame
 
 
@@ -58,7 +60,7 @@ def counted_encode(monkeypatch):
 def test_frames_are_encoded_a_bounded_few_ahead_and_go_out_in_order(counted_encode, threaded):
     consumer = SlowConsumer(pause_s=0.02)
     encoder = futures.ThreadPoolExecutor(1) if threaded else None
-    t = gt.GrpcTransfer(consumer, "req", timeout_s=10, encoder=encoder)
+    t = gt.GrpcTransfer(consumer, "req", timeout_s=10, encoder=encoder, auth=KVAuth(SECRET))
     data = torch.randn(2, 12, 3, 4, 2, 8)
     for lo in range(12):  # 12 one-layer pieces, all queued at once
         t.send(range(lo, lo + 1), [0, 1, 2], data[:, lo:lo + 1])

@@ -76,7 +76,7 @@ def test_the_grpc_sender_refuses_a_dtype_the_wire_cannot_carry_at_send():
     from pdserve.kv_transfer.base import TransferError
     from pdserve.kv_transfer.grpc_transport import GrpcKVSender
 
-    sender = GrpcKVSender()
+    sender = GrpcKVSender(secret=b"s" * 32)
     try:
         t = sender.open("req", "127.0.0.1:9", 1, 1, timeout_s=2)
         with pytest.raises(TransferError, match="dtype torch.int64 cannot be sent"):
