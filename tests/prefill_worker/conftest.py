@@ -88,7 +88,7 @@ def make_pd(tiny, one_thread):
     from pdserve.kv_transfer import start_receiver
     from pdserve.prefill_worker.worker import PrefillConfig, PrefillEngine
 
-    from pd_suite import engine_config
+    from pd_suite import CLUSTER_SECRET, engine_config
 
     made: list[Disaggregated] = []
 
@@ -98,8 +98,9 @@ def make_pd(tiny, one_thread):
         decode = EngineLoop(WorkerConfig(engine=engine_config(tiny, decode_blocks), role="decode", transport=transport,
                                          kv_lease_s=kv_lease_s, kv_reserve_timeout_s=kv_reserve_timeout_s),
                             name="decode-0")
-        receiver = start_receiver(sink(decode) if sink else decode, transport, decode.runner.device, kv_lease_s)
-        prefill = PrefillEngine(PrefillConfig(engine=engine_config(tiny, prefill_blocks),
+        receiver = start_receiver(sink(decode) if sink else decode, transport, decode.runner.device, kv_lease_s,
+                                  secret=CLUSTER_SECRET)
+        prefill = PrefillEngine(PrefillConfig(engine=engine_config(tiny, prefill_blocks), cluster_secret=CLUSTER_SECRET,
                                               max_num_batched_tokens=max_num_batched_tokens,
                                               max_num_seqs=max_num_seqs, transport=transport,
                                               transfer_timeout_s=20.0, frame_bytes=frame_bytes,

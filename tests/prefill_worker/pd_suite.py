@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 BLOCK_SIZE = 4  # tokens per KV block in every engine of these tests
+CLUSTER_SECRET = bytes.fromhex("c1" * 32)  # what both ends of every KV transfer here hold (kv_transfer.auth)
 
 
 def engine_config(tiny, num_blocks: int = 256):

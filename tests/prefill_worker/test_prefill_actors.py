@@ -20,6 +20,7 @@ from pd_suite import colocated_outputs, engine_config
 from pdserve.decode_worker.messages import WorkerRequest
 from pdserve.decode_worker.worker import WorkerConfig, start_workers
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import new_cluster_secret
 from pdserve.prefill_worker.worker import KVDestination, PrefillConfig, start_prefill_workers
 
 LEASE_S = 5.0
@@ -67,10 +68,13 @@ def test_disaggregated_actors_match_hf_free_every_block_and_survive_a_dead_prefi
     ray = ray_cluster
     # A request queued on the prefill actor that gets killed never opens its transfer (no router
     # here to abort it): the reservation's timeout frees it.
-    decode_config = WorkerConfig(engine=engine_config(tiny, 1024), kv_lease_s=LEASE_S, kv_reserve_timeout_s=LEASE_S)
+    secret = new_cluster_secret()  # handed to every actor, as `pdserve serve` does
+    decode_config = WorkerConfig(engine=engine_config(tiny, 1024), kv_lease_s=LEASE_S, kv_reserve_timeout_s=LEASE_S,
+                                 cluster_secret=secret)
 
     def prefill_config(budget: int) -> PrefillConfig:
-        return PrefillConfig(engine=engine_config(tiny, 512), max_num_batched_tokens=budget, transfer_timeout_s=20)
+        return PrefillConfig(engine=engine_config(tiny, 512), max_num_batched_tokens=budget, transfer_timeout_s=20,
+                             cluster_secret=secret)
 
     # Start the three actors at once: loading the model is most of their start-up.
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

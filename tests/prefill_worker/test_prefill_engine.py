@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from pd_suite import BLOCK_SIZE, colocated_outputs, drain, wait_until
+from pd_suite import BLOCK_SIZE, CLUSTER_SECRET, colocated_outputs, drain, wait_until
 from pdserve.decode_worker.messages import WorkerRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVSender, Transfer, make_sender
@@ -176,7 +176,7 @@ class RecordingSender(KVSender):
 def test_kv_is_pushed_chunk_by_chunk_in_frames_of_about_frame_bytes(tiny, make_pd):
     """Layers are grouped into pieces of about ``frame_bytes``; a long prompt's first blocks leave
     while its later chunks are still to be computed; every (layer, block) is sent exactly once."""
-    sender = RecordingSender(make_sender("grpc"))
+    sender = RecordingSender(make_sender("grpc", secret=CLUSTER_SECRET))
     per_layer_block = 2 * BLOCK_SIZE * 2 * 16 * 4  # k and v, block of 4 tokens, 2 KV heads of 16, float32
     frame_bytes = 3 * per_layer_block * 2  # about two layers of three blocks
     pd = make_pd(max_num_batched_tokens=12, sender=sender, frame_bytes=frame_bytes)
@@ -201,7 +201,7 @@ def test_kv_push_layer_sends_during_the_chunk_and_chunk_after_it(tiny, make_pd, 
     """Both push the same pieces. ``layer``: the last chunk's pieces leave while it is computed,
     before token #1 is sampled. ``chunk``: they leave once the chunk is computed, after token #1 is
     handed over (and earlier chunks' pieces before the last chunk starts)."""
-    sender = RecordingSender(make_sender("grpc"))
+    sender = RecordingSender(make_sender("grpc", secret=CLUSTER_SECRET))
     per_layer_block = 2 * BLOCK_SIZE * 2 * 16 * 4
     pd = make_pd(max_num_batched_tokens=64, sender=sender, frame_bytes=3 * per_layer_block * 2, kv_push=kv_push)
     prompt = tiny.prompts([150], seed=4)[0]  # three chunks: 64, 64, 22 tokens
@@ -237,7 +237,7 @@ def test_prefill_config_rejects_an_unknown_kv_push():
 def test_a_prompt_is_admitted_and_its_transfer_opened_only_when_the_budget_reaches_it(tiny, make_pd):
     """Admission fills the step's token budget, not more: a prompt waiting behind others holds no
     prefill blocks and no open transfer, so its transfer deadline does not run while it waits."""
-    sender = RecordingSender(make_sender("grpc"))
+    sender = RecordingSender(make_sender("grpc", secret=CLUSTER_SECRET))
     opened: list[str] = []
     inner_open = sender.open
 

@@ -60,12 +60,14 @@ def actors(ray_session, tiny_model_dir):
     """One decode actor (its KV receiver on gRPC) and one prefill actor."""
     from pdserve.decode_worker.worker import WorkerConfig, start_workers
     from pdserve.engine.config import EngineConfig
+    from pdserve.kv_transfer import new_cluster_secret
     from pdserve.prefill_worker.worker import PrefillConfig, start_prefill_workers
 
     engine = dict(model=str(tiny_model_dir), threads=1, num_blocks=64, block_size=BLOCK_SIZE, show_progress=False)
-    decode = start_workers(WorkerConfig(engine=EngineConfig(**engine)), num_cpus=0.25, role="decode",
-                           name_prefix="metrics-decode")
-    prefill = start_prefill_workers(PrefillConfig(engine=EngineConfig(**engine)), num_cpus=0.25,
+    secret = new_cluster_secret()
+    decode = start_workers(WorkerConfig(engine=EngineConfig(**engine), cluster_secret=secret), num_cpus=0.25,
+                           role="decode", name_prefix="metrics-decode")
+    prefill = start_prefill_workers(PrefillConfig(engine=EngineConfig(**engine), cluster_secret=secret), num_cpus=0.25,
                                     name_prefix="metrics-prefill")
     yield decode[0], prefill[0]
     for a in decode + prefill:
