@@ -10,4 +10,5 @@ Modules:
   and preempts when blocks run out (policy only: it never touches tensors).
 - ``messages``: the plain data between the router and the worker actors (``WorkerRequest``,
   ``RequestDelta``, ``WorkerStats``, ``EngineCounters``).
+- ``aborts``: ``EarlyAborts``, the ids aborted before their request arrived (both worker kinds).
 """

@@ -7,7 +7,8 @@ Modules:
 - ``server``: the ``grpc.aio`` server (Generation, Admin, health, reflection) and ``RouterConfig``.
 - ``service``: one request's life: validate, place, stream deltas back as text, summarize.
 - ``admin``: the ``pdserve.v1.Admin`` service (``pdserve scale``).
-- ``preprocess``: tokenization (prompt, chat template, token ids) and validation of every field.
+- ``preprocess``: tokenization (prompt, chat template, token ids), validation of every field, the caps.
+- ``request_parser``: parsing a request off the wire, naming the field that holds invalid UTF-8.
 - ``worker_pool``: the worker actors: membership, placement, the long polls, worker death, scaling.
 - ``request_stream``: the router's end of one request: its state and its deltas, in order.
 - ``request_state``: the request states and the one table of moves between them.
