@@ -23,6 +23,9 @@ Below them, for each tool's own requests, the server's TTFT (``pdserve_timings``
 chunk; the gRPC stream's summary) and what the client and its path added to it (client TTFT minus
 server TTFT). When the tools disagree, these say whether the server was slower during one run
 (the machine: on a small shared machine, other work) or one tool measured more (the client).
+A third column applies pdserve loadtest's definitions and numpy's percentiles to AIPerf's own raw
+timestamps (its ``profile_export_raw.jsonl``): equal to AIPerf's column when the two tools define
+TTFT, ITL and TPOT alike, whatever the machine did during either run.
 
 AIPerf is not a dependency of pdserve: install it anywhere (``python -m venv /work/aiperf-venv &&
 /work/aiperf-venv/bin/pip install aiperf==0.13.0``) and pass ``--aiperf PATH`` if its ``aiperf``
@@ -161,20 +164,23 @@ def read_aiperf(out: Path) -> dict:
     row["prompt tokens (mean)"] = (d.get("usage_prompt_tokens") or d.get("input_sequence_length") or {}).get("avg")
     raw = out / "profile_export_raw.jsonl"
     if raw.exists():
-        row.update(_server_side(_aiperf_ttfts(raw)))
+        reqs = _aiperf_requests(raw)
+        row.update(_server_side([((r["chunks"][0] - r["start"]) / 1e9, r["timings"]["ttft_s"])
+                                 for r in reqs if r["timings"]]))
+        row["_pdserve_arithmetic"] = pdserve_arithmetic(reqs)
     return row
 
 
-def _aiperf_ttfts(raw: Path) -> list[tuple[float, float]]:
-    """(client TTFT, server TTFT) in seconds of each measured AIPerf request: the client's from its
-    raw record (request start to the first chunk with text, as AIPerf's own TTFT), the server's
-    from the ``pdserve_timings`` of the stream's last chunk."""
-    pairs = []
+def _aiperf_requests(raw: Path) -> list[dict]:
+    """Each measured AIPerf request from its raw record: the perf-counter times (ns) of its request
+    start and of every SSE chunk that carries a token, its ``usage.completion_tokens`` and the
+    server's ``pdserve_timings`` (from the stream's last chunk)."""
+    out = []
     for line in raw.read_text().splitlines():
         rec = json.loads(line)
         if rec.get("metadata", {}).get("benchmark_phase") != "profiling" or rec.get("status") != 200:
             continue
-        first, timings = None, None
+        req = {"start": rec["start_perf_ns"], "chunks": [], "tokens": None, "timings": None}
         for resp in rec.get("responses", []):
             for packet in resp.get("packets", []):
                 if packet.get("name") != "data" or packet.get("value", "").strip() == "[DONE]":
@@ -183,12 +189,39 @@ def _aiperf_ttfts(raw: Path) -> list[tuple[float, float]]:
                     chunk = json.loads(packet["value"])
                 except ValueError:
                     continue
-                if first is None and any(c.get("text") for c in chunk.get("choices") or []):
-                    first = resp["perf_ns"]
-                timings = chunk.get("pdserve_timings") or timings
-        if first is not None and timings:
-            pairs.append(((first - rec["start_perf_ns"]) / 1e9, timings["ttft_s"]))
-    return pairs
+                if chunk.get("choices"):
+                    req["chunks"].append(resp["perf_ns"])
+                if chunk.get("usage"):
+                    req["tokens"] = chunk["usage"].get("completion_tokens")
+                req["timings"] = chunk.get("pdserve_timings") or req["timings"]
+        if req["chunks"]:
+            out.append(req)
+    return out
+
+
+def pdserve_arithmetic(reqs: list[dict]) -> dict:
+    """pdserve loadtest's definitions (loadtest/driver.py, stats.py) applied to AIPerf's own
+    timestamps: TTFT to the first chunk, every gap between chunks split over the chunk's tokens
+    (one per chunk unless the counts say otherwise), TPOT = (last - first) / (tokens - 1); numpy's
+    percentiles. Equal to AIPerf's own figures when the two tools define them alike."""
+    import numpy as np
+
+    ttft, itl, tpot = [], [], []
+    for r in reqs:
+        t = np.array(r["chunks"], dtype=float) / 1e9
+        n = r["tokens"] or len(t)
+        ttft.append(t[0] - r["start"] / 1e9)
+        itl.extend(np.diff(t))
+        if n > 1:
+            tpot.append((t[-1] - t[0]) / (n - 1))
+    row = {}
+    for (label, _, _), vals in zip(PAIRS, (ttft, itl, tpot)):
+        p50, p99 = np.percentile(vals, [50, 99]) * 1e3 if vals else (None, None)
+        row[label] = {"p50": p50, "p99": p99}
+    row["requests ok"] = len(reqs)
+    row["chunks per token (mean)"] = float(np.mean([len(r["chunks"]) / (r["tokens"] or len(r["chunks"]))
+                                                    for r in reqs]))
+    return row
 
 
 def _server_side(pairs: list[tuple[float, float]]) -> dict:
@@ -226,30 +259,34 @@ def _fmt(x) -> str:
 
 
 def print_table(rate: float, rows: dict[str, dict]) -> None:
+    if "_pdserve_arithmetic" in rows.get("AIPerf", {}):
+        rows = {**rows, "pdserve's arithmetic on AIPerf's requests": rows["AIPerf"]["_pdserve_arithmetic"]}
     tools = list(rows)
     print(f"\n## rate {rate:g} req/s\n")
-    head = ["metric (ms)"] + tools + (["pdserve / AIPerf"] if len(tools) == 2 else [])
+    ratio = "AIPerf" in rows and "pdserve" in rows
+    head = ["metric (ms)"] + tools + (["pdserve / AIPerf"] if ratio else [])
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for label, _, _ in PAIRS:
         for q in ("p50", "p99"):
             vals = [rows[t][label][q] for t in tools]
             line = [f"{label} {q}"] + [_fmt(v) for v in vals]
-            if len(tools) == 2:
-                a, b = rows.get("AIPerf", {}).get(label, {}).get(q), rows.get("pdserve", {}).get(label, {}).get(q)
+            if ratio:
+                a, b = rows["AIPerf"][label][q], rows["pdserve"][label][q]
                 line.append("-" if not a or b is None else f"{b / a:.2f}")
             print("| " + " | ".join(line) + " |")
     for extra in SERVER_ROWS:
         vals = [rows[t].get(extra) for t in tools]
         line = [f"{extra} (from the server's timings)"] + [_fmt(v) for v in vals]
-        if len(tools) == 2:
+        if ratio:
             line.append("")
         print("| " + " | ".join(line) + " |")
-    for extra in ("requests ok", "prompt tokens (mean)", "output tokens (mean)", "client CPU (cores)"):
+    for extra in ("requests ok", "prompt tokens (mean)", "output tokens (mean)", "chunks per token (mean)",
+                  "client CPU (cores)"):
         vals = [rows[t].get(extra) for t in tools]
         line = [extra] + [("-" if v is None else f"{v:.2f}" if extra == "client CPU (cores)" else f"{v:g}")
                           for v in vals]
-        if len(tools) == 2:
+        if ratio:
             line.append("")
         print("| " + " | ".join(line) + " |")
 
