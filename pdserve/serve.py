@@ -235,6 +235,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ModelNotFoundError as exc:
         return fail(str(exc))
 
+    if args.mode == "disaggregated":
+        try:  # before Ray and the actors start: a bad secret file stops the server at once
+            cluster_secret(args)
+        except (OSError, ValueError) as exc:
+            return fail(f"cannot read the cluster secret: {exc}")
+
     import ray
 
     started_ray = not ray.is_initialized()
@@ -244,11 +250,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ray.init(address=args.address, namespace=RAY_NAMESPACE)
         else:
             ray.init(address="local", include_dashboard=False, namespace=RAY_NAMESPACE)
-    if args.mode == "disaggregated":
-        try:  # before any actor starts: a bad secret file stops the server at once
-            cluster_secret(args)
-        except (OSError, ValueError) as exc:
-            return fail(f"cannot read the cluster secret: {exc}")
     workers: list = []
     prefill_workers: list = []
     factory = None

@@ -202,7 +202,7 @@ class DisaggregatedFlow:
             if pool.is_registered(stream):
                 pool.forget(stream)
                 await pool.abort(decode, stream.request_id)
-            if pool.num_prefill_alive == 0:
+            if pool.num_prefill_alive == 0 and not pool.replacing("prefill"):
                 stream.fail(WorkerDied(f"prefill worker {prefill.name} died while serving this request "
                                        "and no prefill worker is left"))
                 return

@@ -306,7 +306,8 @@ class WorkerPool:
                 stream.advance(S.WAITING)
                 continue  # try another worker
             except asyncio.CancelledError:
-                stream.close()
+                if stream.state is S.DECODING:  # still this attempt's (a migration moved it on)
+                    stream.close()
                 raise
             except Exception as exc:
                 self.forget(stream)

@@ -50,18 +50,28 @@ def default_model_dir() -> Path:
     return resolve_model_dir("default")
 
 
-def save_servable_llama(path: Path, tokenizer_dir: Path, max_position_embeddings: int = 512) -> Path:
+def save_servable_llama(path: Path, tokenizer_dir: Path, max_position_embeddings: int = 512,
+                        sharp: bool = False) -> Path:
     """Save a 2-layer random Llama with ``tokenizer_dir``'s tokenizer files (and so its
-    vocabulary) at ``path``: `pdserve serve` loads it in a moment and a token takes a millisecond."""
+    vocabulary) at ``path``: `pdserve serve` loads it in a moment and a token takes a millisecond.
+    ``sharp``: larger random weights (and norms that matter), so greedy argmaxes are far from
+    ties and the same whatever order a kernel sums in."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=max_position_embeddings,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                         **({"initializer_range": 0.3} if sharp else {}))
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if sharp:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, path / name)
