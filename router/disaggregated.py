@@ -32,6 +32,7 @@ from pdserve.router.errors import (
     NoWorkers,
     Overloaded,
     PrefillFailed,
+    TooLarge,
     WorkerDied,
     WorkerRejected,
     actor_reason,
@@ -59,10 +60,12 @@ class DisaggregatedFlow:
     def __init__(self, pool: "WorkerPool"):
         # Imported here: the prefill worker's module loads the engine (torch), which a router
         # that never runs in disaggregated mode does not need.
+        from pdserve.decode_worker.worker import RequestAborted
         from pdserve.prefill_worker.worker import KVDestination
 
         self.pool = pool
         self._destination = KVDestination
+        self._aborted = RequestAborted
 
     async def submit(self, request: WorkerRequest, timeout: float | None) -> RequestStream:
         """Reserve the prompt's blocks on a decode worker, start the prefill in the background
@@ -91,7 +94,7 @@ class DisaggregatedFlow:
         name = choose_prefill_worker([w.load(self.pool.max_inflight_per_worker) for w in alive], n)
         if name is None:
             largest = max(w.stats.total_blocks * w.stats.block_size for w in alive)
-            raise Overloaded(f"the prompt is {n} tokens but the largest prefill worker's KV cache holds "
+            raise TooLarge(f"the prompt is {n} tokens but the largest prefill worker's KV cache holds "
                              f"{largest} tokens")
         return next(w for w in alive if w.name == name)
 
@@ -132,9 +135,11 @@ class DisaggregatedFlow:
                 continue
             except ValueError as exc:  # the worker says it can never hold the request
                 pool.forget(stream)
-                raise Overloaded(actor_reason(exc)) from None
+                raise TooLarge(actor_reason(exc)) from None
             except Exception as exc:
                 pool.forget(stream)
+                if isinstance(exc, self._aborted):  # the router's own abort overtook the reservation
+                    raise asyncio.CancelledError(f"request {request.request_id} was aborted") from None
                 raise WorkerRejected(f"decode worker {worker.name} could not reserve KV blocks: "
                                      f"{actor_reason(exc)}") from exc
             stream.advance(S.RESERVED)
@@ -156,7 +161,7 @@ class DisaggregatedFlow:
             decode = stream.worker
             try:
                 prefill = await self._wait_for_prefill(request, timeout)
-            except (NoWorkers, Overloaded) as exc:
+            except (NoWorkers, Overloaded, TooLarge) as exc:
                 await self._fail_reserved(stream, exc)
                 return
             stream.prefill_worker = prefill
@@ -210,7 +215,7 @@ class DisaggregatedFlow:
             stream.restart(request.request_id)
             try:
                 blocks = await self._reserve(stream, request, None if timeout is None else time.monotonic() + timeout)
-            except (NoWorkers, Overloaded, WorkerRejected) as exc:
+            except (NoWorkers, Overloaded, TooLarge, WorkerRejected) as exc:
                 stream.fail(exc)
                 return
 

@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 
 from pdserve.decode_worker.messages import RequestDelta, WorkerRequest, WorkerStats
 from pdserve.router.admission import Admission
-from pdserve.router.errors import NoWorkers, Overloaded, WorkerDied, WorkerRejected, actor_reason
+from pdserve.router.errors import NoWorkers, Overloaded, TooLarge, WorkerDied, WorkerRejected, actor_reason
 from pdserve.router.placement import WorkerLoad, blocks_needed, choose_worker, fits_at_all
 from pdserve.router.request_state import InvalidTransition, RequestState as S
 from pdserve.router.request_stream import RequestStream
@@ -331,7 +331,7 @@ class WorkerPool:
             loads = [w.load(self.max_inflight_per_worker) for w in alive]
             if not any(fits_at_all(l, num_tokens) for l in loads):
                 largest = max(l.total_blocks * l.block_size for l in loads)
-                raise Overloaded(
+                raise TooLarge(
                     f"the request needs room for {num_tokens} tokens (prompt + max_tokens) but "
                     f"the largest worker's KV cache holds {largest} tokens"
                 )
@@ -557,7 +557,7 @@ class WorkerPool:
                 await self._flow.resume(stream, request, self.migration_timeout_s)
             else:
                 await self._start_colocated(stream, request, time.monotonic() + self.migration_timeout_s)
-        except (NoWorkers, Overloaded, WorkerRejected) as exc:
+        except (NoWorkers, Overloaded, TooLarge, WorkerRejected) as exc:
             self._release(stream)
             stream.fail(WorkerDied(f"{cause}; moving it to another worker failed: {exc}"))
 
