@@ -301,10 +301,11 @@ class OpenAIFrontEnd:
     """The FastAPI app over a ``GenerationService``, and its uvicorn server on the router's loop."""
 
     def __init__(self, service: GenerationService, tokenizer, model: str, *, api_key: str | None = None,
-                 metrics=None, can_serve=lambda: True):
+                 metrics=None, can_serve=lambda: True, max_model_len: int | None = None):
         self.service = service
         self.tokenizer = tokenizer
         self.model = model
+        self.max_model_len = max_model_len
         self.api_key = api_key
         self.metrics = metrics
         self.can_serve = can_serve
@@ -405,7 +406,9 @@ class OpenAIFrontEnd:
         return app
 
     def _model_card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdserve"}
+        # "root" and "max_model_len": vLLM's fields, which `vllm bench serve` and others read.
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "root": self.model, "max_model_len": self.max_model_len}
 
     def _unknown_model(self, name: str) -> ApiError:
         return ApiError(404, f"the model {name!r} does not exist here; this server serves {self.model!r} "

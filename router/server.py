@@ -211,7 +211,8 @@ class RouterServer:
             from pdserve.router.openai_api import OpenAIFrontEnd
 
             self._http = OpenAIFrontEnd(service, self._tokenizer, self.config.model, api_key=self.config.api_key,
-                                        metrics=self.metrics, can_serve=lambda: self.pool.can_serve)
+                                        metrics=self.metrics, can_serve=lambda: self.pool.can_serve,
+                                        max_model_len=int(info["max_model_len"]))
             try:
                 self.http_port = await self._http.start(self.config.host, self.config.http_port,
                                                         self.config.tls_cert, self.config.tls_key)

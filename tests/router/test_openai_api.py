@@ -170,7 +170,8 @@ def test_unknown_models_and_routes_get_404_and_a_huge_body_413(echo_router):
     assert err.value.body["code"] == "model_not_found" and "'echo'" in err.value.message
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    assert client.models.retrieve("echo").id == "echo"
+    card = client.models.retrieve("echo")
+    assert card.id == card.root == "echo" and card.max_model_len == 2048  # vLLM's fields too
     base = f"http://127.0.0.1:{router.http_port}"
     r = httpx.get(f"{base}/v2/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
