@@ -9,6 +9,8 @@ Modules:
   Face static batches, with the compute bound.
 - ``transfer``: ``pdserve bench transfer``, KV transfer between actors against raw TCP and each
   transport's library alone, and the TTFT cost of disaggregation.
+- ``faults``: ``pdserve bench faults``, a server under constant load with and without a worker
+  killed: requests lost, goodput after the kill, time until throughput is back.
 - ``judge``: ``pdserve bench judge``, a running server driven by AIPerf (an outside load tool,
   over the OpenAI-compatible API) and by ``pdserve loadtest run`` at the same rates: both tools'
   TTFT and ITL side by side.

@@ -27,6 +27,7 @@ BENCH_COMMANDS: list[tuple[str, str, str]] = [
     ("engine", "pdserve.bench.engine", "engine vs Hugging Face generate(): decode and prefill tokens/s"),
     ("offline", "pdserve.bench.offline", "offline throughput: continuous batching vs HF static batches"),
     ("transfer", "pdserve.bench.transfer", "KV transfer MB/s vs raw TCP, and TTFT disaggregated vs colocated"),
+    ("faults", "pdserve.bench.faults", "a worker killed under load: requests lost, goodput, time to recover"),
     ("judge", "pdserve.bench.judge", "a running server driven by AIPerf and by pdserve loadtest: TTFT/ITL side by side"),
 ]
 
