@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
           f"- workload: {args.num_requests} requests, {args.prompt_tokens} prompt tokens, exactly "
           f"{args.output_tokens} output tokens (EOS ignored), greedy, {args.arrival} arrivals, "
           f"{WARMUP} warm-up requests")
-    results = {"date": now(), "machine": machine(), "args": vars(args), "runs": []}
+    results = {"date": now(), "machine": machine(), "args": {k: v for k, v in vars(args).items() if not callable(v)}, "runs": []}
     for rate in rates:
         rows: dict[str, dict] = {}
         commands = {}
