@@ -1,7 +1,7 @@
 """Chaos: worker actors killed under load lose no request (real router, real actors, real transports).
 
 In each mode (colocated; disaggregated over gRPC and over the collective transport) several
-greedy streams run while a worker is killed at a chosen point: a decode (or colocated) worker
+streams (greedy, and seeded sampling) run while a worker is killed at a chosen point: a decode (or colocated) worker
 mid-decode, the only prefill worker while it has prompts in hand (before token #1, or with KV on
 the way), and a second decode worker while the first one's requests are migrating. Every stream
 must end with exactly the no-fault answer; every killed worker is replaced (the router's actor
@@ -23,6 +23,12 @@ from pdserve.client import AsyncClient
 
 NUM_STREAMS = 6
 PARAMS = dict(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+def params(i: int) -> dict:
+    """Stream ``i``'s sampling: greedy for even ``i``, seeded sampling for odd ones (a migrated
+    request draws each token from (seed, position), so it samples what it would have)."""
+    return PARAMS if i % 2 == 0 else {**PARAMS, "temperature": 1.0, "seed": 1000 + i}
 PROMPTS = [[100 + 7 * i + j for j in range(20 + 9 * i)] for i in range(NUM_STREAMS)]
 MODES = {
     "colocated": dict(mode="colocated"),
@@ -40,7 +46,7 @@ class Server:
     """A router with its own actor factory: 2 decode (or colocated) workers and, disaggregated, 1
     prefill worker."""
 
-    def __init__(self, model, mode: str, transport: str = "grpc"):
+    def __init__(self, model, mode: str, transport: str = "grpc", decode: int = 2, **prefill_config):
         from pdserve.decode_worker.worker import WorkerConfig
         from pdserve.engine.config import EngineConfig
         from pdserve.engine.model_loader import load_tokenizer
@@ -55,12 +61,13 @@ class Server:
         if mode == "disaggregated":
             secret = secrets.token_bytes(32)
             configs = {"decode": WorkerConfig(engine=engine, role="decode", transport=transport, cluster_secret=secret),
-                       "prefill": PrefillConfig(engine=engine, transport=transport, cluster_secret=secret)}
+                       "prefill": PrefillConfig(engine=engine, transport=transport, cluster_secret=secret,
+                                                **prefill_config)}
         else:
             configs = {"colocated": WorkerConfig(engine=engine)}
         self.factory = ActorFactory(configs, {role: res for role in configs}, name=name)
         polled = "decode" if mode == "disaggregated" else "colocated"
-        workers, _ = self.factory.start(polled, 2)
+        workers, _ = self.factory.start(polled, decode)
         prefill = self.factory.start("prefill", 1)[0] if mode == "disaggregated" else None
         self.router = start_in_thread(workers, load_tokenizer(str(model)),
                                       RouterConfig(port=0, mode=mode, transport=transport, queue_timeout_s=60),
@@ -78,7 +85,7 @@ class Server:
         progress: list[list[int]] = [[] for _ in PROMPTS]
 
         async def one(c: AsyncClient, i: int) -> list[int]:
-            async for chunk in c.generate(token_ids=PROMPTS[i], **PARAMS):
+            async for chunk in c.generate(token_ids=PROMPTS[i], **params(i)):
                 progress[i] += chunk.token_ids
             return progress[i]
 
@@ -163,5 +170,32 @@ def test_killed_workers_lose_no_request_and_are_replaced(local_ray, model, mode)
                 assert g == want, f"{kill.__name__}: stream {i} differs from the no-fault run at token " \
                                   f"{next(k for k, (a, b) in enumerate(zip(g + [None], want)) if a != b)}"
             server.wait_recovered(roles)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "collective"])
+def test_a_prompt_near_the_context_length_works_disaggregated(local_ray, model, transport):
+    """A prompt that fills the context but for its answer, prefilled in many small chunks, so its
+    transfer stays open far longer than the sender's timeout: progress (each piece) bounds a
+    transfer, not a fixed time. The answer is Hugging Face's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.client import Client
+
+    timeout_s, new = 0.15, 8
+    prompt = [3 + (17 * i) % 40000 for i in range(4096 - new)]
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
+    server = Server(model, "disaggregated", transport, decode=1, transfer_timeout_s=timeout_s,
+                    max_num_batched_tokens=16)
+    try:
+        with Client(server.router.address, timeout=300) as c:
+            out = c.complete(token_ids=prompt, max_tokens=new, temperature=0, ignore_eos=True)
+        assert out.token_ids == want
+        assert out.timings.prefill_s > 2 * timeout_s, out.timings  # the case a fixed deadline cut
+        server.wait_recovered({"decode": 1, "prefill": 1})
     finally:
         server.stop()
