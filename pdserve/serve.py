@@ -28,9 +28,10 @@ def add_parser(sub) -> None:
     """Add the ``serve`` command to the subparsers ``sub`` of ``pdserve``."""
     p = sub.add_parser(
         "serve",
-        help="start workers and the gRPC router",
-        description="Start worker actors on Ray and serve the pdserve.v1 gRPC API until Ctrl-C. "
-        "Starts a local Ray unless --address names a running cluster.",
+        help="start workers and the router (gRPC and OpenAI-compatible HTTP APIs)",
+        description="Start worker actors on Ray and serve the pdserve.v1 gRPC API and the "
+        "OpenAI-compatible HTTP API until Ctrl-C. Starts a local Ray unless --address names a "
+        "running cluster.",
     )
     p.add_argument("--mode", choices=["colocated", "disaggregated"], default="colocated",
                    help="colocated: every worker prefills and decodes (default); disaggregated: "
