@@ -50,6 +50,28 @@ def default_model_dir() -> Path:
     return resolve_model_dir("default")
 
 
+def sharp_llama(config):
+    """A random Llama for ``config`` (a ``LlamaConfig`` with a large ``initializer_range``) whose
+    norm weights are perturbed too (they are ones after init): peaked logits, so greedy argmaxes
+    are far from ties and the same whatever order a kernel sums in. Seeded: always the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def make_sharp_llama():
+    """``sharp_llama``, for the folders' own tiny models."""
+    return sharp_llama
+
+
 def save_servable_llama(path: Path, tokenizer_dir: Path, max_position_embeddings: int = 512,
                         sharp: bool = False) -> Path:
     """Save a 2-layer random Llama with ``tokenizer_dir``'s tokenizer files (and so its
@@ -64,13 +86,11 @@ def save_servable_llama(path: Path, tokenizer_dir: Path, max_position_embeddings
                          max_position_embeddings=max_position_embeddings,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
                          **({"initializer_range": 0.3} if sharp else {}))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if sharp:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.add_(torch.randn_like(p) * 0.1)
+        model = sharp_llama(config)
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():

@@ -10,25 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
+def tiny_llama(tmp_path_factory, make_sharp_llama) -> Path:
     """A 2-layer random Llama (2 KV heads of 16, vocabulary 384) saved as a Hugging Face directory."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norm weights are ones after init: perturb them so they matter
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = make_sharp_llama(config)
     path = tmp_path_factory.mktemp("bench-tiny-llama")
     model.save_pretrained(path)
     return path

@@ -51,20 +51,15 @@ class TinyLlama:
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> TinyLlama:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def tiny(tmp_path_factory, make_sharp_llama) -> TinyLlama:
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.3, bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norm weights are ones after init: perturb them so they matter
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = make_sharp_llama(config)
     path = tmp_path_factory.mktemp("tiny-llama-prefill")
     model.save_pretrained(path)
     return TinyLlama(path, model)
